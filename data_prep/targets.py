@@ -1,4 +1,4 @@
-"""Target models: presets (conf/target/*.yaml), hub ids and local paths, and the embedded default.
+"""Target models: presets (conf/targets/*.yaml), hub ids and local paths, and the embedded default.
 
 `resolve_target("gpt-oss-120b")` gives the preset (chat format, layer count, hidden size, tap layers)
 without touching the network; `load_target(...)` loads weights and tokenizer. The embedded default
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import yaml
 
-PRESET_DIR = Path(__file__).resolve().parents[1] / "conf" / "target"
+PRESET_DIR = Path(__file__).resolve().parents[1] / "conf" / "targets"
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
 
@@ -59,6 +59,7 @@ def _preset_from_config(name: str, config: dict, local_path: str | None) -> Targ
         hidden_size=int(text["hidden_size"]),
         vocab_size=int(text["vocab_size"]),
         tap_layers=default_tap_layers(layers),
+        dtype=str(config.get("dtype") or config.get("torch_dtype") or "bfloat16"),
         local_path=local_path,
     )
 

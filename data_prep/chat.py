@@ -1,0 +1,319 @@
+"""Render a conversation with the target's own chat template and build the assistant-only loss mask.
+
+Why not a per-model table of separators: templates rewrite what they render (Llama-3 trims the
+content, Qwen3 moves or drops ``<think>`` reasoning depending on the turn's position, gpt-oss puts
+reasoning in an ``analysis`` channel and ends the last turn with ``<|return|>`` but earlier ones with
+``<|end|>``). So the spans are found on the text the template actually rendered:
+
+1. ``full`` = the whole conversation rendered once (no generation prompt) and tokenized once with
+   character offsets (fast tokenizer required).
+2. END of each assistant body: the conversation is rendered again with a unique sentinel appended to
+   every assistant content; removing the sentinels must give back ``full`` exactly, and the sentinel
+   positions are then the body ends (templates that trim are retried with right-stripped contents).
+3. START of each assistant turn: the longest common prefix of ``full`` and the prompt the model
+   would have been given for that turn (messages before it + generation prompt). Everything after
+   it up to the body end is what the model generates in that turn: for gpt-oss that includes the
+   ``<|channel|>…<|message|>`` headers and the analysis message, for Qwen3 the ``<think>`` block.
+   Fallbacks when the template is not prefix-stable (e.g. Mistral moves the system prompt): the last
+   generation-prompt text before the body, then the content itself right before the body end.
+4. END OF TURN: optional whitespace and then the special token right after the body
+   (``<|im_end|>``, ``<|eot_id|>``, ``<|end|>``/``<|return|>``, ``</s>`` ...), discovered from the
+   rendered text; a special token that opens a header (found in the generation prompt) is not one.
+
+Mask = 1 on every token overlapping [turn start, end-of-turn end) (a token that starts a little before
+the turn start counts only if that part is whitespace); 0 elsewhere: system, user, role headers,
+generation prompt. ``assistant_texts`` holds exactly those character spans of ``full``.
+
+Long sequences: ``overflow="truncate"`` keeps the first ``max_length`` tokens and the mask within them
+(``truncated=True``), ``overflow="drop"`` drops the conversation (reason ``too_long``). A sample with no
+masked token left is dropped (``no_assistant_tokens``). Text that contains one of the tokenizer's
+special-token strings is dropped (``control_token_in_text``): it would tokenize into a real control
+token and forge turn boundaries.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from data_prep.conversations import Message
+
+MessageLike = Message | Mapping[str, Any]
+_WS = re.compile(r"\s*")
+
+
+@dataclass
+class RenderedSample:
+    input_ids: list[int]
+    loss_mask: list[int]
+    # per assistant turn: the rendered text that is masked in (with its end of turn), before truncation
+    assistant_texts: list[str]
+    truncated: bool
+    full_length: int | None  # tokens before truncation; None if only a prefix was tokenized (long text)
+
+
+@dataclass
+class Dropped:
+    reason: str  # too_long | no_assistant_tokens | no_assistant | template_error | template_mismatch | control_token_in_text
+    detail: str = ""
+
+
+def _as_dicts(messages: Sequence[MessageLike]) -> list[dict[str, Any]]:
+    return [m.to_dict() if isinstance(m, Message) else dict(m) for m in messages]
+
+
+def _render(tok, msgs: list[dict], gen: bool, chat_template: str | None, kw: Mapping[str, Any]) -> str:
+    return tok.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=gen, chat_template=chat_template, **kw
+    )
+
+
+def _special_strings(tok) -> tuple[str, ...]:
+    found = set(tok.all_special_tokens)
+    found.update(t.content for t in tok.added_tokens_decoder.values() if t.special)
+    return tuple(sorted((s for s in found if s), key=len, reverse=True))
+
+
+@functools.lru_cache(maxsize=16)
+def _special_regex(strings: tuple[str, ...]) -> re.Pattern | None:
+    return re.compile("|".join(map(re.escape, strings))) if strings else None
+
+
+def _generation_suffix(tok, chat_template: str | None, kw: Mapping[str, Any]) -> str:
+    """The text add_generation_prompt appends (e.g. '<|im_start|>assistant\\n'); '' if none/unknown."""
+    probe = [{"role": "user", "content": "Hi"}]
+    try:
+        with_gen = _render(tok, probe, True, chat_template, kw)
+        without = _render(tok, probe, False, chat_template, kw)
+    except Exception:  # noqa: BLE001 - a template may refuse the probe; the fallback just gets weaker
+        return ""
+    return with_gen[len(without) :] if with_gen.startswith(without) else ""
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # binary search on the first mismatch: rendered prompts are long
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _body_ends(tok, msgs, asst, full, chat_template, kw) -> list[int] | None:
+    """Character offset in `full` where each assistant body ends (sentinel rendering, see module doc)."""
+    base = next((c for c in ("\ue000", "\ue010", "\ue020") if c not in full), None)  # private-use chars
+    if base is None:
+        return None
+    sentinels = [f"{base}{k}{base}" for k in range(len(asst))]
+    for strip in (False, True):
+        marked = [dict(m) for m in msgs]
+        for k, i in enumerate(asst):
+            content = marked[i]["content"].rstrip() if strip else marked[i]["content"]
+            marked[i]["content"] = content + sentinels[k]
+        try:
+            text = _render(tok, marked, False, chat_template, kw)
+        except Exception:  # noqa: BLE001
+            continue
+        ends, pieces, cur, removed = [], [], 0, 0
+        for s in sentinels:
+            p = text.find(s, cur)
+            if p < 0 or text.count(s) != 1:
+                break
+            pieces.append(text[cur:p])
+            ends.append(p - removed)
+            removed += len(s)
+            cur = p + len(s)
+        pieces.append(text[cur:])
+        if len(ends) == len(asst) and "".join(pieces) == full:
+            return ends
+    return None
+
+
+def _turn_start(tok, msgs, i, full, lo, body_end, gen_suffix, chat_template, kw) -> int | None:
+    partial = None
+    # The prompt with the template's defaults is tried too: a generation prompt that forces a prefix
+    # (Qwen3 enable_thinking=False adds an empty <think></think>) does not match turns the template
+    # renders without it, while the bare role header does.
+    for variant in (kw, {}) if kw else (kw,):
+        try:
+            prompt = _render(tok, msgs[:i], True, chat_template, variant) if i > 0 else None
+        except Exception:  # noqa: BLE001
+            prompt = None
+        if prompt is None:
+            continue
+        s = _common_prefix(prompt, full)
+        if s == len(prompt) and lo <= s <= body_end:
+            return s
+        # a partial match is usable only if it diverges inside the generation-prompt part
+        if partial is None and lo <= s <= body_end and len(prompt) - s <= len(gen_suffix):
+            partial = s
+    if partial is not None:
+        return partial
+    if gen_suffix:
+        p = full.rfind(gen_suffix, lo, body_end)
+        if p >= 0:
+            return p + len(gen_suffix)
+    content = msgs[i]["content"]
+    for c in (content, content.rstrip(), content.strip()):
+        if c and body_end - len(c) >= lo and full[body_end - len(c) : body_end] == c:
+            return body_end - len(c)
+    return None
+
+
+def _assistant_spans(tok, msgs, full, chat_template, kw, special_re) -> list[tuple[int, int]] | str:
+    asst = [i for i, m in enumerate(msgs) if m.get("role") == "assistant"]
+    ends = _body_ends(tok, msgs, asst, full, chat_template, kw)
+    if ends is None:
+        return "assistant contents not found in the rendered text"
+    gen_suffix = _generation_suffix(tok, chat_template, kw)
+    header_tokens = set(special_re.findall(gen_suffix)) if special_re else set()
+    spans, lo = [], 0
+    for k, i in enumerate(asst):
+        start = _turn_start(tok, msgs, i, full, lo, ends[k], gen_suffix, chat_template, kw)
+        if start is None:
+            return f"start of assistant turn {k} not found"
+        stop = ends[k]
+        ws = _WS.match(full, stop).end()
+        m = special_re.match(full, ws) if special_re else None
+        if m and m.group(0) not in header_tokens:
+            stop = m.end()
+        spans.append((start, stop))
+        lo = stop
+    return spans
+
+
+def _mask_from_spans(offsets, spans, full) -> list[int]:
+    mask, j = [0] * len(offsets), 0
+    for t, (a, b) in enumerate(offsets):
+        while j < len(spans) and a >= spans[j][1]:
+            j += 1
+        if j == len(spans):
+            break
+        s, e = spans[j]
+        if b > s and a < e and (a >= s or not full[a:s].strip()):
+            mask[t] = 1
+    return mask
+
+
+def render_conversation(
+    tokenizer,
+    messages: Sequence[MessageLike],
+    *,
+    max_length: int,
+    overflow: Literal["truncate", "drop"] = "truncate",
+    chat_template: str | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> RenderedSample | Dropped:
+    """Tokenize a conversation with the template and mask its assistant turns (see module doc).
+
+    `template_kwargs` go to the template (e.g. ``{"enable_thinking": False}`` for Qwen3,
+    ``{"reasoning_effort": "low"}`` for gpt-oss).
+    """
+    if overflow not in ("truncate", "drop"):
+        raise ValueError(f"overflow must be 'truncate' or 'drop', got {overflow!r}")
+    if not getattr(tokenizer, "is_fast", False):
+        raise TypeError("render_conversation needs a fast tokenizer (character offsets)")
+    tokenizer.get_chat_template(chat_template)  # no template at all is a setup error, not a bad record
+    kw = dict(template_kwargs or {})
+    msgs = _as_dicts(messages)
+    if not any(m.get("role") == "assistant" for m in msgs):
+        return Dropped("no_assistant")
+    special_re = _special_regex(_special_strings(tokenizer))
+    if special_re:
+        for m in msgs:
+            for key in ("content", "reasoning_content", "thinking"):
+                hit = special_re.search(m.get(key) or "")
+                if hit:
+                    return Dropped("control_token_in_text", f"{m['role']} contains {hit.group(0)!r}")
+    try:
+        full = _render(tokenizer, msgs, False, chat_template, kw)
+    except Exception as err:  # noqa: BLE001 - templates raise on inputs they refuse
+        return Dropped("template_error", f"{type(err).__name__}: {err}")
+    spans = _assistant_spans(tokenizer, msgs, full, chat_template, kw, special_re)
+    if isinstance(spans, str):
+        return Dropped("template_mismatch", spans)
+    ids, offsets, n = _tokenize(tokenizer, full, max_length)
+    if n is None or n > max_length:
+        if overflow == "drop":
+            return Dropped("too_long", f"{n or 'more than ' + str(max_length)} tokens > {max_length}")
+        ids, offsets = ids[:max_length], offsets[:max_length]
+    mask = _mask_from_spans(offsets, spans, full)
+    if not any(mask):
+        return Dropped("no_assistant_tokens", f"no assistant token within the first {max_length} tokens")
+    truncated = n is None or n > max_length
+    return RenderedSample(ids, mask, [full[s:e] for s, e in spans], truncated=truncated, full_length=n)
+
+
+def _tokenize(tok, text: str, max_length: int) -> tuple[list[int], list[tuple[int, int]], int | None]:
+    """(ids, offsets, total token count or None if only a long-enough prefix was tokenized).
+
+    Long conversations are truncated anyway, so only a prefix of the text is tokenized when that
+    provably gives the same first `max_length` tokens: every token before the prefix's last
+    pre-token (word) is unaffected by where the text was cut.
+    """
+    cut = 6 * max_length + 256  # chars; typical text has 3-5 chars per token
+    if len(text) > cut + cut // 2:
+        enc = tok(text[:cut], add_special_tokens=False, return_offsets_mapping=True)
+        words = enc.word_ids()
+        if words and words[-1] is not None:
+            first_of_last = words.index(words[-1])
+            if first_of_last > max_length:
+                return list(enc["input_ids"]), list(enc["offset_mapping"]), None
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    return ids, list(enc["offset_mapping"]), len(ids)
+
+
+def render_prompt(
+    tokenizer,
+    messages: Sequence[MessageLike],
+    *,
+    chat_template: str | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of `messages` + the generation prompt: what the model continues from."""
+    text = _render(tokenizer, _as_dicts(messages), True, chat_template, dict(template_kwargs or {}))
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def end_of_turn(
+    tokenizer, *, chat_template: str | None = None, template_kwargs: Mapping[str, Any] | None = None
+) -> str | None:
+    """The text the template puts after a FINAL assistant turn (e.g. '<|im_end|>', '<|return|>').
+
+    Discovered by rendering a probe; this is the token a model emits to stop, so generation can use
+    it as a stop token. None when the template ends turns with no special token.
+    """
+    probe = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+    ]
+    kw = dict(template_kwargs or {})
+    full = _render(tokenizer, probe, False, chat_template, kw)
+    special_re = _special_regex(_special_strings(tokenizer))
+    spans = _assistant_spans(tokenizer, probe, full, chat_template, kw, special_re)
+    if isinstance(spans, str) or not special_re:
+        return None
+    start, stop = spans[-1]
+    m = special_re.search(full, start, stop)
+    last = None
+    while m:  # the last special token inside the span is the end of turn
+        last, m = m.group(0), special_re.search(full, m.end(), stop)
+    return last if last and full[start:stop].endswith(last) else None
+
+
+def template_hash(tokenizer, chat_template: str | None = None) -> str:
+    """Short sha256 of the chat template text and the special tokens it can refer to."""
+    template = tokenizer.get_chat_template(chat_template)
+    payload = json.dumps({"template": template, "special": tokenizer.special_tokens_map}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]

@@ -1,0 +1,329 @@
+"""`make prep`: conversations → (regenerated) chat samples → target hidden states → shard sets.
+
+Output directory (the prep contract; the shard format itself is documented in data_prep/shards.py):
+
+    <out>/train/, <out>/eval/        shard sets (manifest.json + shards/); eval is held out, never trained on
+    <out>/draft_vocab.safetensors    d2t, t2d, token_counts (from the train split's loss-masked tokens)
+    <out>/target_head.safetensors    frozen target embed_tokens / norm / lm_head, so training needs no target
+    <out>/target_config.json         the target's HF config
+    <out>/tokenizer/                 the target's tokenizer (loss-mask viewer, eval)
+    <out>/regen/{split}.r{rank}.jsonl  regenerated conversations with a status per conversation
+    <out>/summary.json               counts, skips by reason, bytes, throughput
+
+Work is split across torchrun ranks by position (sample i goes to rank i % world); each rank writes
+its own shards and the last step (rank 0) merges the manifests. Every stage resumes: finished
+regenerations and already-written samples are skipped on a rerun.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from data_prep.capture import HiddenStateCapture, base_model, compact_teacher
+from data_prep.chat import Dropped, render_conversation, template_hash
+from data_prep.config import PrepConfig
+from data_prep.conversations import Conversation, load_conversations, split_conversations
+from data_prep.shards import (
+    Sample,
+    ShardSpec,
+    ShardWriter,
+    bytes_per_token,
+    completed_sample_ids,
+    merge_manifests,
+    sha256_file,
+)
+from data_prep.targets import TargetPreset, load_target, resolve_target
+from data_prep.vocab import VOCAB_FILE, build_draft_vocab, count_tokens, coverage, save_draft_vocab
+
+SPLITS = ("train", "eval")
+
+
+@dataclass
+class Rendered:
+    conversation_id: str
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+
+
+def _world() -> tuple[int, int]:
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return rank, world
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
+
+
+def _device(cfg: PrepConfig) -> str:
+    if cfg.device:
+        return cfg.device
+    if torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    return "cpu"
+
+
+def select_conversations(cfg: PrepConfig) -> tuple[dict[str, list[Conversation]], dict]:
+    """Load, split (seeded, by id) and cap the conversations; same answer on every rank."""
+    conversations, skips = load_conversations(cfg.data)
+    train, held_out = split_conversations(conversations, eval_count=cfg.eval_samples, seed=cfg.seed)
+    if cfg.num_samples > 0:
+        train = train[: cfg.num_samples]
+    return {"train": train, "eval": held_out}, skips.to_dict()
+
+
+def regenerate_split(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, convs, path: Path):
+    """Replace assistant turns by the target's own replies; returns the ok conversations and counts."""
+    from data_prep.regenerate import HFBackend, OpenAIBackend, load_regenerated, regenerate
+
+    r = cfg.regen
+    thinking = r.enable_thinking if r.enable_thinking is not None else preset.enable_thinking
+    if r.backend == "hf":
+        backend = HFBackend(model, tokenizer, enable_thinking=thinking)
+    else:
+        backend = OpenAIBackend(
+            base_url=r.base_url,
+            model=r.served_model or preset.hf_id,
+            api_key=r.api_key,
+            concurrency=r.concurrency,
+            timeout_s=r.timeout_s,
+            max_retries=r.max_retries,
+            enable_thinking=thinking,
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    summary = regenerate(
+        convs,
+        backend,
+        path,
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        batch_size=r.batch_size,
+        max_turns=r.max_turns,
+    )
+    ok = {c.id: c for c in load_regenerated(path)}
+    return [ok[c.id] for c in convs if c.id in ok], summary.to_dict()
+
+
+def template_kwargs(cfg: PrepConfig, preset: TargetPreset) -> dict:
+    thinking = cfg.regen.enable_thinking if cfg.regen.enable_thinking is not None else preset.enable_thinking
+    return {} if thinking is None else {"enable_thinking": thinking}
+
+
+def tokenizer_hash(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    payload = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def render_all(cfg: PrepConfig, tokenizer, convs: list[Conversation], preset: TargetPreset):
+    rendered, counts = [], Counter()
+    for conv in convs:
+        result = render_conversation(
+            tokenizer, conv.messages, max_length=cfg.max_length, overflow=cfg.overflow,
+            template_kwargs=template_kwargs(cfg, preset),
+        )
+        if isinstance(result, Dropped):
+            counts[f"render: {result.reason}"] += 1
+            continue
+        if result.truncated:
+            counts["truncated to max_length"] += 1
+        mask = torch.tensor(result.loss_mask, dtype=torch.bool)
+        if not mask[1:].any():
+            counts["render: no trainable assistant token"] += 1
+            continue
+        rendered.append(Rendered(conv.id, torch.tensor(result.input_ids), mask))
+    return rendered, counts
+
+
+def length_batches(samples: list[Rendered], batch_tokens: int) -> list[list[Rendered]]:
+    """Group length-sorted samples so that padded batch size x length stays under batch_tokens."""
+    ordered = sorted(samples, key=lambda s: len(s.input_ids))
+    batches: list[list[Rendered]] = []
+    for s in ordered:
+        if batches and (len(batches[-1]) + 1) * len(s.input_ids) <= batch_tokens:
+            batches[-1].append(s)
+        else:
+            batches.append([s])
+    return batches
+
+
+def capture_split(cfg, model, capture, spec, samples, root: Path, rank: int, device: str) -> dict:
+    writer = ShardWriter(root, spec, rank=rank, tokens_per_shard=cfg.capture.tokens_per_shard)
+    done = completed_sample_ids(root)
+    todo = [s for s in samples if s.conversation_id not in done]
+    tokens, start = 0, time.perf_counter()
+    bar = tqdm(total=sum(len(s.input_ids) for s in todo), unit="tok", desc=f"capture {root.name} r{rank}",
+               disable=rank != 0 and not cfg.device)
+    for batch in length_batches(todo, cfg.capture.batch_tokens):
+        width = max(len(s.input_ids) for s in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for i, s in enumerate(batch):
+            ids[i, : len(s.input_ids)] = s.input_ids
+            attn[i, : len(s.input_ids)] = 1
+        got = capture(ids.to(device), attn.to(device))
+        teacher = {}
+        if spec.teacher != "hidden":
+            teacher = compact_teacher(model, got.final_hidden, spec.teacher, spec.teacher_topk)
+        for i, s in enumerate(batch):
+            n = len(s.input_ids)
+            extra = {k: v[i, :n].cpu() for k, v in teacher.items()}
+            writer.add(
+                Sample(
+                    sample_id=s.conversation_id,
+                    input_ids=s.input_ids,
+                    loss_mask=s.loss_mask,
+                    taps=got.taps[i, :n].cpu(),
+                    teacher_hidden=got.final_hidden[i, :n].cpu() if spec.teacher == "hidden" else None,
+                    **extra,
+                )
+            )
+            tokens += n
+        bar.update(sum(len(s.input_ids) for s in batch))
+    bar.close()
+    writer.close()
+    return {"samples": len(todo), "tokens": tokens, "seconds": time.perf_counter() - start,
+            "skipped_already_done": len(samples) - len(todo), "bytes_written": writer.bytes_written}
+
+
+def save_target_files(model, tokenizer, out: Path) -> None:
+    base = base_model(model)
+    tensors = {
+        "embed_tokens.weight": base.embed_tokens.weight,
+        "norm.weight": base.norm.weight,
+        "lm_head.weight": model.get_output_embeddings().weight,
+    }
+    # clone: tied embeddings share storage, which safetensors refuses to write twice
+    save_file({k: v.detach().float().cpu().clone().contiguous() for k, v in tensors.items()},
+              str(out / "target_head.safetensors"))
+    (out / "target_config.json").write_text(json.dumps(model.config.to_dict(), indent=1, default=str))
+    tokenizer.save_pretrained(out / "tokenizer")
+
+
+def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, model, tokenizer, world: int) -> dict:
+    """Rank 0, after every rank closed its writers: manifests, draft vocab, target files, summary."""
+    manifests = {split: merge_manifests(out / split) for split in SPLITS}
+    from data_prep.shards import ShardSet
+
+    train = ShardSet(out / "train", verify="none")
+    counts = count_tokens(((s.input_ids, s.loss_mask) for s in train), spec.vocab_size)
+    d2t, t2d = build_draft_vocab(counts, cfg.draft_vocab_size)
+    save_draft_vocab(out / VOCAB_FILE, d2t, t2d, counts)
+    save_target_files(model, tokenizer, out)
+
+    parts = [json.loads((out / f"summary.r{r}.json").read_text()) for r in range(world)]
+    total = Counter()
+    for p in parts:
+        total.update(p["counts"])
+    options = {
+        name: bytes_per_token(replace(spec, **kw))
+        for name, kw in {
+            "hidden teacher, bf16 taps (default)": {"teacher": "hidden", "taps_dtype": "bfloat16"},
+            "hidden teacher, fp8 taps": {"teacher": "hidden", "taps_dtype": "float8_e4m3fn"},
+            f"top-{cfg.capture.topk} teacher, fp8 taps": {
+                "teacher": "topk", "teacher_topk": cfg.capture.topk, "taps_dtype": "float8_e4m3fn"},
+            "argmax teacher, fp8 taps": {"teacher": "argmax", "taps_dtype": "float8_e4m3fn"},
+        }.items()
+    }
+    capture_s = max(p["capture_seconds"] for p in parts) or 1e-9
+    summary = {
+        "target": spec.target,
+        "tap_layers": spec.tap_layers,
+        "teacher": spec.teacher,
+        "taps_dtype": spec.taps_dtype,
+        "samples": {s: manifests[s].num_samples for s in SPLITS},
+        "tokens": {s: manifests[s].num_tokens for s in SPLITS},
+        "loss_tokens_train": int(counts.sum()),
+        "skipped": {k: v for k, v in sorted(total.items()) if k not in ("captured_tokens",)},
+        "loader_skips": parts[0]["loader_skips"],
+        "regen": [p.get("regen") for p in parts],
+        "bytes_written": sum((out / split / s.file).stat().st_size for split, m in manifests.items() for s in m.shards),
+        "bytes_per_token": bytes_per_token(spec)["total"],
+        "bytes_per_token_options": {k: v["total"] for k, v in options.items()},
+        "capture_tokens_per_s": total["captured_tokens"] / capture_s,
+        "draft_vocab_size": int(d2t.numel()),
+        "draft_vocab_coverage": coverage(counts, t2d),
+        "target_head_sha256": sha256_file(out / "target_head.safetensors"),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def run(cfg: PrepConfig) -> dict | None:
+    cfg.validate()
+    rank, world = _world()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    preset = resolve_target(cfg.model)
+    device = _device(cfg)
+    tap_layers = list(cfg.capture.tap_layers or preset.tap_layers)
+
+    splits, loader_skips = select_conversations(cfg)
+    model, tokenizer = load_target(preset, cfg.dtype, device)
+    spec = ShardSpec(
+        target={"id": preset.hf_id, "revision": preset.revision, "architecture": model.config.architectures[0]
+                if model.config.architectures else type(model).__name__,
+                "num_layers": preset.num_layers, "hidden_size": preset.hidden_size,
+                "vocab_size": model.get_output_embeddings().weight.shape[0]},
+        tap_layers=tap_layers,
+        teacher=cfg.capture.teacher,
+        teacher_topk=cfg.capture.topk if cfg.capture.teacher == "topk" else 0,
+        taps_dtype=cfg.capture.taps_dtype,
+        tokenizer_hash=tokenizer_hash(tokenizer),
+        chat_template_hash=template_hash(tokenizer),
+        max_length=cfg.max_length,
+    )
+    counts: Counter = Counter()
+    regen_summary: dict = {}
+    capture_seconds = 0.0
+    with HiddenStateCapture(model, tap_layers) as capture:
+        for split in SPLITS:
+            mine = splits[split][rank::world]
+            if cfg.regen.enabled:
+                path = out / "regen" / f"{split}.r{rank}.jsonl"
+                mine, regen_summary[split] = regenerate_split(cfg, preset, model, tokenizer, mine, path)
+            rendered, render_counts = render_all(cfg, tokenizer, mine, preset)
+            counts.update(render_counts)
+            stats = capture_split(cfg, model, capture, spec, rendered, out / split, rank, device)
+            counts["captured_tokens"] += stats["tokens"]
+            capture_seconds += stats["seconds"]
+    (out / f"summary.r{rank}.json").write_text(json.dumps(
+        {"counts": counts, "loader_skips": loader_skips, "regen": regen_summary,
+         "capture_seconds": capture_seconds}, default=dict))
+    _barrier(world)
+    summary = finish(cfg, out, spec, model, tokenizer, world) if rank == 0 else None
+    _barrier(world)
+    if rank == 0:
+        print_summary(summary, out)
+    return summary
+
+
+def print_summary(summary: dict, out: Path) -> None:
+    print(f"\nprep finished → {out}")
+    print(f"  samples  train {summary['samples']['train']}  eval {summary['samples']['eval']}")
+    print(f"  tokens   train {summary['tokens']['train']}  eval {summary['tokens']['eval']}  "
+          f"(loss tokens {summary['loss_tokens_train']})")
+    loader = summary["loader_skips"]
+    print(f"  records  read {loader['records']}, kept {loader['kept']}")
+    for reason, n in {**loader["skipped"], **summary["skipped"]}.items():
+        print(f"  skipped  {n:6d}  {reason}")
+    print(f"  written  {summary['bytes_written'] / 2**20:.1f} MiB, {summary['bytes_per_token']} B/token; "
+          f"capture {summary['capture_tokens_per_s']:.0f} tokens/s")
+    for name, b in summary["bytes_per_token_options"].items():
+        print(f"  storage option {name}: {b} B/token")
+    print(f"  draft vocab {summary['draft_vocab_size']} ids, coverage {summary['draft_vocab_coverage']:.3f}")
+

@@ -1,0 +1,463 @@
+"""Regenerate every assistant turn with the frozen target (the EAGLE-3 data recipe).
+
+Turn by turn, in order: the reply to the conversation so far (original user turns + the replies
+already regenerated) replaces the dataset's reply. Backends share one small interface
+(:class:`Backend`): ``hf`` runs a transformers CausalLM (batched ``generate``, KV cache, left padding,
+the conversations of a batch advance one turn index at a time); ``openai`` calls any
+OpenAI-compatible chat-completions server (vLLM, SGLang, ...) from a thread pool with a timeout and
+retries with exponential backoff.
+
+Output: JSONL, one line per conversation, appended and flushed as each conversation finishes::
+
+    {"id", "status": "ok"|"error"|"skipped", "reason", "messages": [{"role", "content"[, "reasoning"]}], "source"}
+
+- ok: every assistant turn (up to ``max_turns``) regenerated; a reply cut by ``max_new_tokens`` is
+  kept (counted in ``truncated_replies``); an empty reply ends the conversation there.
+- skipped: nothing to regenerate (prompt too long for the model, first reply empty).
+- error: the backend failed after its retries; ``messages`` holds the turns done so far. Not for
+  training.
+
+Resume: lines already in ``out_path`` are read first and their ids are not redone (``retry_errors``
+redoes error lines; readers take the last line per id). A torn last line left by a crash is cut off
+before appending. Under torchrun give each rank its own slice and its own ``out_path``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from data_prep.chat import end_of_turn, render_prompt
+from data_prep.conversations import Conversation, Message
+
+STATUSES = ("ok", "error", "skipped")
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    enable_thinking: bool | None = None  # passed to the chat template when not None
+
+
+@dataclass
+class Reply:
+    content: str | None = None
+    reasoning: str | None = None
+    error: str | None = None  # the request failed (after retries)
+    skip: str | None = None  # the request was not made (e.g. prompt too long)
+    truncated: bool = False  # stopped by max_new_tokens
+
+
+class Backend(Protocol):
+    def generate(self, prompts: Sequence[Sequence[Message]], params: SamplingParams) -> list[Reply]:
+        """One reply per prompt (a conversation ending with a user turn), in order. Never raises for
+        a single bad prompt: its Reply carries `error` or `skip` instead."""
+        ...
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """(reasoning, answer) from raw model text: gpt-oss channels or a Qwen-style <think> block."""
+    final = "<|channel|>final<|message|>"
+    if final in text:
+        head, answer = text.rsplit(final, 1)
+        analysis = "<|channel|>analysis<|message|>"
+        reasoning = head.split(analysis, 1)[1].split("<|end|>", 1)[0] if analysis in head else None
+        return reasoning, answer
+    if "</think>" in text:
+        head, answer = text.split("</think>", 1)
+        return head.split("<think>", 1)[-1].strip("\n") or None, answer.lstrip("\n")
+    for opener in ("<|channel|>analysis<|message|>", "<think>"):  # reasoning that never reached an answer
+        if text.lstrip().startswith(opener):
+            return text.split(opener, 1)[1].split("<|end|>", 1)[0].strip("\n") or None, ""
+    return None, text
+
+
+# ----------------------------------------------------------------------------------------------
+# Backends
+
+
+class HFBackend:
+    """A transformers CausalLM + its tokenizer: left-padded batched `generate` with a KV cache."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        chat_template: str | None = None,
+        enable_thinking: bool | None = None,
+        generate_kwargs: dict | None = None,
+    ):
+        self.model, self.tok, self.chat_template = model, tokenizer, chat_template
+        self.enable_thinking = enable_thinking  # default for SamplingParams.enable_thinking
+        self.generate_kwargs = dict(generate_kwargs or {})
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self._stop_cache: dict[Any, list[int]] = {}
+        self._strip = [s for s in tokenizer.all_special_tokens if s]
+
+    def _stop_ids(self, kw: dict) -> list[int]:
+        key = tuple(sorted(kw.items()))
+        if key not in self._stop_cache:
+            ids = set()
+            eot = end_of_turn(self.tok, chat_template=self.chat_template, template_kwargs=kw)
+            if eot is not None:
+                ids.update(self.tok(eot, add_special_tokens=False)["input_ids"][-1:])
+            cfg = getattr(self.model, "generation_config", None)
+            eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+            if not ids and self.tok.eos_token_id is not None:
+                ids.add(self.tok.eos_token_id)
+            self._stop_cache[key] = sorted(ids)
+        return self._stop_cache[key]
+
+    def _decode(self, ids: list[int], stop: list[int]) -> tuple[str, bool]:
+        cut = next((j for j, t in enumerate(ids) if t in stop), None)
+        ids = ids if cut is None else ids[:cut]
+        text = self.tok.decode(ids, skip_special_tokens=False)
+        return text, cut is None
+
+    def generate(self, prompts: Sequence[Sequence[Message]], params: SamplingParams) -> list[Reply]:
+        import torch
+
+        kw = {} if params.enable_thinking is None else {"enable_thinking": params.enable_thinking}
+        replies: list[Reply | None] = [None] * len(prompts)
+        encoded: list[tuple[int, list[int]]] = []
+        for i, p in enumerate(prompts):
+            try:
+                ids = render_prompt(self.tok, p, chat_template=self.chat_template, template_kwargs=kw)
+            except Exception as err:  # noqa: BLE001 - a template may refuse one conversation
+                replies[i] = Reply(error=f"template: {type(err).__name__}: {err}")
+                continue
+            if self.max_positions and len(ids) + params.max_new_tokens > self.max_positions:
+                replies[i] = Reply(
+                    skip=f"prompt_too_long ({len(ids)} + {params.max_new_tokens} > {self.max_positions})"
+                )
+                continue
+            encoded.append((i, ids))
+        if encoded:
+            stop = self._stop_ids(kw)
+            width = max(len(ids) for _, ids in encoded)
+            device = next(self.model.parameters()).device
+            input_ids = torch.tensor(
+                [[self.pad_id] * (width - len(ids)) + ids for _, ids in encoded], device=device
+            )
+            attn = torch.tensor(
+                [[0] * (width - len(ids)) + [1] * len(ids) for _, ids in encoded], device=device
+            )
+            sample = params.temperature > 0
+            gen_kw = dict(
+                max_new_tokens=params.max_new_tokens,
+                do_sample=sample,
+                eos_token_id=stop,
+                pad_token_id=self.pad_id,
+                use_cache=True,
+            )
+            if sample:
+                gen_kw.update(temperature=params.temperature, top_p=params.top_p)
+            gen_kw.update(self.generate_kwargs)
+            try:
+                with torch.inference_mode():
+                    out = self.model.generate(input_ids=input_ids, attention_mask=attn, **gen_kw)
+            except Exception as err:  # noqa: BLE001 - e.g. out of memory: fail this batch, not the job
+                for i, _ in encoded:
+                    replies[i] = Reply(error=f"generate: {type(err).__name__}: {err}")
+            else:
+                for row, (i, _) in enumerate(encoded):
+                    text, truncated = self._decode(out[row, width:].tolist(), stop)
+                    reasoning, answer = split_reasoning(text)
+                    for s in self._strip:  # stray control tokens must not reach training text
+                        answer = answer.replace(s, "")
+                    replies[i] = Reply(content=answer.strip(), reasoning=reasoning, truncated=truncated)
+        return [r if r is not None else Reply(error="no reply") for r in replies]
+
+
+class OpenAIBackend:
+    """Any OpenAI-compatible chat-completions server, called from `concurrency` threads."""
+
+    RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str = "EMPTY",
+        concurrency: int = 16,
+        timeout_s: float = 600.0,
+        max_retries: int = 4,
+        backoff: float = 1.0,
+        enable_thinking: bool | None = None,
+        extra_body: dict | None = None,
+    ):
+        import openai  # lazy: only this backend needs it
+
+        # retries are ours (below), so the client's own are off
+        self.client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s, max_retries=0)
+        self.enable_thinking = enable_thinking  # default for SamplingParams.enable_thinking
+        self.model, self.concurrency = model, concurrency
+        self.max_retries, self.backoff = max_retries, backoff
+        self.extra_body = dict(extra_body or {})
+        self._openai = openai
+
+    def _retryable(self, err: Exception) -> bool:
+        o = self._openai
+        if isinstance(err, (o.APITimeoutError, o.APIConnectionError)):
+            return True
+        return isinstance(err, o.APIStatusError) and err.status_code in self.RETRY_STATUS
+
+    def _one(self, prompt: Sequence[Message], params: SamplingParams) -> Reply:
+        body = dict(self.extra_body)
+        if params.enable_thinking is not None:
+            body["chat_template_kwargs"] = {
+                **body.get("chat_template_kwargs", {}),
+                "enable_thinking": params.enable_thinking,
+            }
+        messages = [{"role": m.role, "content": m.content} for m in prompt]
+        for attempt in range(self.max_retries + 1):
+            try:
+                resp = self.client.chat.completions.create(
+                    model=self.model,
+                    messages=messages,
+                    max_tokens=params.max_new_tokens,
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    extra_body=body or None,
+                )
+                choice = resp.choices[0]
+                msg = choice.message
+                reasoning = getattr(msg, "reasoning_content", None) or getattr(msg, "reasoning", None)
+                inline_reasoning, content = split_reasoning(msg.content or "")
+                return Reply(
+                    content=content.strip(),
+                    reasoning=reasoning or inline_reasoning,
+                    truncated=choice.finish_reason == "length",
+                )
+            except Exception as err:  # noqa: BLE001
+                if attempt == self.max_retries or not self._retryable(err):
+                    return Reply(error=f"{type(err).__name__}: {str(err)[:300]}")
+                time.sleep(self.backoff * 2**attempt * (0.5 + random.random()))
+        raise AssertionError("unreachable")
+
+    def generate(self, prompts: Sequence[Sequence[Message]], params: SamplingParams) -> list[Reply]:
+        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(prompts)))) as pool:
+            return list(pool.map(lambda p: self._one(p, params), prompts))
+
+
+def make_backend(kind: str, **kwargs) -> Backend:
+    """`make_backend("hf", model=..., tokenizer=...)` or `make_backend("openai", base_url=..., model=...)`."""
+    if kind == "hf":
+        return HFBackend(**kwargs)
+    if kind == "openai":
+        return OpenAIBackend(**kwargs)
+    raise ValueError(f"unknown regeneration backend {kind!r} (hf | openai)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Output file
+
+
+def read_results(path: str | Path) -> dict[str, dict]:
+    """Last valid line per id of a regeneration JSONL (torn or corrupt lines are ignored)."""
+    results: dict[str, dict] = {}
+    p = Path(path)
+    if not p.exists():
+        return results
+    with open(p, encoding="utf-8") as f:
+        for line in f:
+            rec = _parse_line(line)
+            if rec is not None:
+                results[rec["id"]] = rec
+    return results
+
+
+def load_regenerated(path: str | Path, statuses: Iterable[str] = ("ok",)) -> list[Conversation]:
+    """The regenerated conversations with one of `statuses`, ready for rendering/capture.
+
+    In file order, which is completion order (not the input order); sort or split by id if needed.
+    """
+    keep = set(statuses)
+    return [Conversation.from_dict(r) for r in read_results(path).values() if r["status"] in keep]
+
+
+def _parse_line(line: str) -> dict | None:
+    if not line.endswith("\n"):
+        return None
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if isinstance(rec, dict) and isinstance(rec.get("id"), str) and rec.get("status") in STATUSES:
+        return rec
+    return None
+
+
+def _repair_tail(path: Path) -> int:
+    """Cut a torn last line (crash mid-write) so appending starts on a clean line. Returns bytes cut."""
+    if not path.exists():
+        return 0
+    with open(path, "rb+") as f:
+        data = f.read()
+        keep = data.rfind(b"\n") + 1
+        tail = data[keep:]
+        if tail:
+            f.truncate(keep)
+        return len(tail)
+
+
+# ----------------------------------------------------------------------------------------------
+# Driver
+
+
+@dataclass
+class RegenSummary:
+    total: int = 0
+    ok: int = 0
+    error: int = 0
+    skipped: int = 0
+    resumed: int = 0  # already finished in out_path before this run
+    generated_turns: int = 0  # replies generated by this run
+    truncated_replies: int = 0
+    torn_bytes_cut: int = 0
+    reasons: Counter = field(default_factory=Counter)
+    elapsed_s: float = 0.0
+    out_path: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["reasons"] = dict(self.reasons)
+        return d
+
+
+@dataclass
+class _Work:
+    conv: Conversation
+    todo: list[list[Message]]  # per assistant turn: the original non-assistant messages before it
+    done: list[Message] = field(default_factory=list)  # regenerated conversation so far
+    status: str = "ok"
+    reason: str = ""
+    finished: bool = False
+
+
+def _plan(conv: Conversation, max_turns: int | None) -> _Work:
+    todo, pending = [], []
+    for m in conv.messages:
+        if m.role == "assistant":
+            todo.append(pending)
+            pending = []
+        else:
+            pending.append(m)
+    w = _Work(conv, todo[:max_turns] if max_turns is not None else todo)
+    if not w.todo:
+        w.status, w.reason = "skipped", "no assistant turn"
+    return w
+
+
+def regenerate(
+    conversations: Sequence[Conversation],
+    backend: Backend,
+    out_path: str | Path,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    batch_size: int = 8,
+    max_turns: int | None = None,
+    enable_thinking: bool | None = None,
+    retry_errors: bool = False,
+    progress: bool = True,
+) -> RegenSummary:
+    """Regenerate `conversations` into `out_path` (JSONL, resumable); see the module doc.
+
+    `batch_size` conversations advance together, one turn index per backend call (for the openai
+    backend it bounds the requests in flight together with the backend's `concurrency`).
+    `enable_thinking` None falls back to the backend's own `enable_thinking`.
+    """
+    from tqdm import tqdm
+
+    t0 = time.time()
+    ids = [c.id for c in conversations]
+    if len(set(ids)) != len(ids):
+        raise ValueError("conversation ids must be unique (resume keys on them)")
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    summary = RegenSummary(total=len(conversations), out_path=str(out))
+    summary.torn_bytes_cut = _repair_tail(out)
+    previous = read_results(out)
+    final: dict[str, str] = {}
+    pending: list[Conversation] = []
+    for c in conversations:
+        rec = previous.get(c.id)
+        if rec is not None and not (retry_errors and rec["status"] == "error"):
+            final[c.id] = rec["status"]
+            summary.reasons[rec.get("reason") or rec["status"]] += 1
+            summary.resumed += 1
+        else:
+            pending.append(c)
+    if enable_thinking is None:
+        enable_thinking = getattr(backend, "enable_thinking", None)
+    params = SamplingParams(max_new_tokens, temperature, top_p, enable_thinking)
+    bar = tqdm(total=len(conversations), initial=summary.resumed, disable=not progress, desc="regenerate")
+    with open(out, "a", encoding="utf-8") as f:
+
+        def finish(w: _Work) -> None:
+            line = {
+                "status": w.status,
+                "reason": w.reason,
+                **Conversation(w.conv.id, w.done, w.conv.source).to_dict(),
+            }
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+            f.flush()  # a crash loses at most the line being written
+            w.finished = True
+            final[w.conv.id] = w.status
+            summary.reasons[w.reason or w.status] += 1
+            bar.update(1)
+
+        for b in range(0, len(pending), batch_size):
+            batch = [_plan(c, max_turns) for c in pending[b : b + batch_size]]
+            turn = 0
+            while active := [w for w in batch if w.status == "ok" and turn < len(w.todo)]:
+                prompts = [w.done + w.todo[turn] for w in active]
+                for w, prompt, r in zip(active, prompts, backend.generate(prompts, params)):
+                    _apply(w, prompt, r, summary)
+                turn += 1
+                for w in active:
+                    if w.status != "ok" or turn >= len(w.todo):
+                        finish(w)
+            for w in batch:
+                if not w.finished:
+                    finish(w)
+        os.fsync(f.fileno())
+    bar.close()
+    counts = Counter(final[c.id] for c in conversations)
+    summary.ok, summary.error, summary.skipped = counts["ok"], counts["error"], counts["skipped"]
+    assert summary.ok + summary.error + summary.skipped == summary.total, summary
+    summary.elapsed_s = time.time() - t0
+    return summary
+
+
+def _apply(w: _Work, prompt: list[Message], r: Reply, summary: RegenSummary) -> None:
+    if r.error is not None:
+        w.status, w.reason = "error", r.error
+        return
+    if r.skip is not None or not (r.content or "").strip():
+        reason = r.skip or ("no answer within max_new_tokens" if r.truncated else "empty reply")
+        n_done = sum(m.role == "assistant" for m in w.done)
+        if n_done:  # keep what was regenerated: the conversation just ends earlier
+            w.todo, w.reason = w.todo[:n_done], f"ended early: {reason}"
+        else:
+            w.status, w.reason = "skipped", reason
+        return
+    summary.generated_turns += 1
+    summary.truncated_replies += r.truncated
+    w.done = [*prompt, Message("assistant", r.content, r.reasoning or None)]

@@ -1,0 +1,26 @@
+"""Prepare drafter training data: conversations → target-regenerated chats → hidden-state shards.
+
+    python launch/prep.py model=smollm2-135m-instruct data=sharegpt-embedded num_samples=200 out=outputs/prep
+    torchrun --nproc_per_node 8 launch/prep.py model=gpt-oss-120b data=<jsonl> regen.backend=openai ...
+
+See data_prep/pipeline.py for the output layout and data_prep/shards.py for the shard format.
+"""
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from data_prep.config import PrepConfig
+from data_prep.pipeline import run
+
+ConfigStore.instance().store(name="prep_schema", node=PrepConfig)
+
+
+@hydra.main(config_path="../conf/prep", config_name="prep", version_base="1.3")
+def main(raw) -> None:
+    cfg: PrepConfig = OmegaConf.to_object(raw)
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,387 @@
+"""data_prep.regenerate: hf backend on a tiny random Llama, openai backend on a local HTTP server,
+status accounting, resume, torn-line recovery."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_prep_text_fixtures import template, tiny_tokenizer  # noqa: E402
+
+from data_prep.conversations import Conversation, Message  # noqa: E402
+from data_prep.regenerate import (  # noqa: E402
+    HFBackend,
+    OpenAIBackend,
+    load_regenerated,
+    read_results,
+    regenerate,
+    split_reasoning,
+)
+
+torch.set_num_threads(1)
+
+# ChatML that refuses one marked conversation: a per-conversation template error
+BOOM_TEMPLATE = "{% for m in messages %}{% if 'BOOM' in m['content'] %}{{ raise_exception('boom') }}{% endif %}{% endfor %}"
+
+
+def conv(i: int, turns: int = 2, user: str = "Hello there!") -> Conversation:
+    msgs = [Message("system", "You are a helpful assistant.")]
+    for k in range(turns):
+        msgs += [Message("user", f"{user} {i}.{k}"), Message("assistant", f"ORIGINAL {i}.{k}")]
+    return Conversation(f"c{i}", msgs, "test")
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    tok = tiny_tokenizer(None)
+    tok.chat_template = BOOM_TEMPLATE + template("chatml_smollm2")
+    torch.manual_seed(0)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=160,
+        initializer_range=0.5,
+    )
+    return LlamaForCausalLM(cfg).eval(), tok
+
+
+class CountingModel(torch.nn.Module):
+    """Wraps the model to record every generate call (batch prompts as text)."""
+
+    def __init__(self, model, tok):
+        super().__init__()
+        self.model, self.tok, self.calls = model, tok, []
+        self.config, self.generation_config = model.config, model.generation_config
+
+    def generate(self, input_ids, attention_mask, **kw):
+        self.calls.append([self.tok.decode(row[m.bool()]) for row, m in zip(input_ids, attention_mask)])
+        return self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kw)
+
+
+def backend(tiny_model) -> HFBackend:
+    model, tok = tiny_model
+    special = sorted({tok.convert_tokens_to_ids(t) for t in tok.all_special_tokens})
+    # random weights: suppress control tokens so every reply is non-empty and the counts are exact
+    return HFBackend(CountingModel(model, tok), tok, generate_kwargs={"suppress_tokens": special})
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_hf_statuses_and_contents(tiny_model, tmp_path: Path) -> None:
+    be = backend(tiny_model)
+    convs = [
+        conv(0),
+        conv(1, turns=1),
+        conv(2, user="BOOM"),
+        conv(3, user="long " * 200),
+        Conversation("c4", [Message("user", "only a question")], "test"),
+        conv(5, turns=3),
+    ]
+    out = tmp_path / "regen.jsonl"
+    s = regenerate(convs, be, out, max_new_tokens=5, batch_size=8, progress=False)
+    assert (s.total, s.ok, s.error, s.skipped) == (6, 3, 1, 2)
+    # control tokens are suppressed, so no reply stops before max_new_tokens
+    assert s.generated_turns == 2 + 1 + 3 and s.truncated_replies == 6
+    res = read_results(out)
+    assert {k: v["status"] for k, v in res.items()} == {
+        "c0": "ok",
+        "c1": "ok",
+        "c2": "error",
+        "c3": "skipped",
+        "c4": "skipped",
+        "c5": "ok",
+    }
+    assert "boom" in res["c2"]["reason"] and res["c3"]["reason"].startswith("prompt_too_long")
+    assert res["c4"]["reason"] == "no assistant turn"
+    for cid, n in (("c0", 2), ("c1", 1), ("c5", 3)):
+        msgs = res[cid]["messages"]
+        assert [m["role"] for m in msgs] == ["system"] + ["user", "assistant"] * n
+        assert [m["content"] for m in msgs if m["role"] == "user"] == [
+            f"Hello there! {cid[1:]}.{k}" for k in range(n)
+        ]
+        assert all("ORIGINAL" not in m["content"] and m["content"] for m in msgs if m["role"] == "assistant")
+    # one generate call per turn index: turn 0 has c0, c1, c5 (c2 failed to render, c3 is too long),
+    # turn 1 has c0, c5, turn 2 has c5
+    assert [len(c) for c in be.model.calls] == [3, 2, 1]
+    # turn 2's prompt holds the regenerated replies of turns 0 and 1, not the originals
+    assert (
+        "ORIGINAL" not in be.model.calls[2][0] and res["c5"]["messages"][4]["content"] in be.model.calls[2][0]
+    )
+    assert sorted(c.id for c in load_regenerated(out)) == ["c0", "c1", "c5"]  # file (completion) order
+
+
+def test_hf_max_turns_and_left_padding(tiny_model, tmp_path: Path) -> None:
+    be = backend(tiny_model)
+    short, long = conv(0, turns=1), conv(1, turns=1, user="a much longer question " * 6)
+    alone = regenerate([short], be, tmp_path / "a.jsonl", max_new_tokens=6, batch_size=1, progress=False)
+    both = regenerate([long, short], be, tmp_path / "b.jsonl", max_new_tokens=6, batch_size=2, progress=False)
+    assert alone.ok == 1 and both.ok == 2
+    # left padding + attention mask: the short prompt's greedy reply does not change inside a batch
+    b = read_results(tmp_path / "b.jsonl")
+    assert read_results(tmp_path / "a.jsonl")["c0"] == b["c0"]
+    assert (
+        b["c0"]["messages"][-1]["content"] != b["c1"]["messages"][-1]["content"]
+    )  # replies depend on the prompt
+    three = regenerate(
+        [conv(5, turns=3)],
+        be,
+        tmp_path / "c.jsonl",
+        max_new_tokens=3,
+        batch_size=1,
+        max_turns=2,
+        progress=False,
+    )
+    assert three.generated_turns == 2
+    assert [m["role"] for m in read_results(tmp_path / "c.jsonl")["c5"]["messages"]].count("assistant") == 2
+
+
+def test_hf_resume_does_not_redo_finished_work(tiny_model, tmp_path: Path) -> None:
+    be = backend(tiny_model)
+    convs = [conv(i, turns=1 + i % 2) for i in range(8)]
+    out = tmp_path / "r.jsonl"
+    first = regenerate(convs[:4], be, out, max_new_tokens=4, batch_size=2, progress=False)
+    assert first.ok == 4 and first.resumed == 0
+    before = out.read_text()
+    n_calls = len(be.model.calls)
+    second = regenerate(convs, be, out, max_new_tokens=4, batch_size=2, progress=False)
+    assert (second.ok, second.resumed, second.generated_turns) == (8, 4, sum(1 + i % 2 for i in range(4, 8)))
+    new_prompts = [p for call in be.model.calls[n_calls:] for p in call]
+    assert all(f"Hello there! {i}." not in p for p in new_prompts for i in range(4))  # first half not redone
+    assert out.read_text().startswith(before) and len(lines(out)) == 8
+    third = regenerate(convs, be, out, max_new_tokens=4, batch_size=2, progress=False)
+    assert third.resumed == 8 and third.generated_turns == 0 and len(lines(out)) == 8
+
+
+def test_torn_last_line_is_redone(tiny_model, tmp_path: Path) -> None:
+    be = backend(tiny_model)
+    convs = [conv(i, turns=1) for i in range(4)]
+    out = tmp_path / "t.jsonl"
+    regenerate(convs, be, out, max_new_tokens=4, batch_size=4, progress=False)
+    text = out.read_text()
+    last_start = text.rstrip("\n").rfind("\n") + 1
+    torn = text[: last_start + 25]  # a crash in the middle of writing the last line
+    out.write_text(torn)
+    s = regenerate(convs, be, out, max_new_tokens=4, batch_size=4, progress=False)
+    assert s.torn_bytes_cut == 25 and s.resumed == 3 and s.generated_turns == 1 and s.ok == 4
+    recs = lines(out)  # every line parses: the fragment was cut before appending
+    assert len(recs) == 4 and sorted(r["id"] for r in recs) == ["c0", "c1", "c2", "c3"]
+    assert read_results(out)["c3"] == json.loads(text[last_start:])  # greedy: the same reply again
+
+
+def test_error_lines_can_be_retried(tiny_model, tmp_path: Path) -> None:
+    out = tmp_path / "e.jsonl"
+    out.write_text(json.dumps({"id": "c0", "status": "error", "reason": "x", "messages": []}) + "\n")
+    be = backend(tiny_model)
+    kept = regenerate([conv(0, turns=1)], be, out, max_new_tokens=3, batch_size=1, progress=False)
+    assert (kept.error, kept.resumed, kept.generated_turns) == (1, 1, 0)
+    redo = regenerate(
+        [conv(0, turns=1)], be, out, max_new_tokens=3, batch_size=1, retry_errors=True, progress=False
+    )
+    assert (redo.ok, redo.error, redo.generated_turns) == (1, 0, 1) and read_results(out)["c0"][
+        "status"
+    ] == "ok"
+    with pytest.raises(ValueError):
+        regenerate([conv(0), conv(0)], be, tmp_path / "dup.jsonl", max_new_tokens=2, progress=False)
+
+
+def test_split_reasoning() -> None:
+    harmony = "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>answer"
+    assert split_reasoning(harmony) == ("think", "answer")
+    assert split_reasoning("<think>\nhmm\n</think>\n\nyes") == ("hmm", "yes")
+    assert split_reasoning("plain") == (None, "plain")
+    assert split_reasoning("<think>\nstill thinking") == ("still thinking", "")  # cut before the answer
+    assert split_reasoning("<|channel|>analysis<|message|>hmm") == ("hmm", "")
+
+
+# ----------------------------------------------------------------------------------------------
+# openai backend against a local chat-completions server
+
+
+class FakeServer:
+    def __init__(self):
+        self.requests: list[dict] = []
+        self.failures: dict[str, int] = {}
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):  # keep test output clean
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append(body)
+                last = body["messages"][-1]["content"]
+                key = last.split()[0]
+                if key == "flaky" and outer.failures.get(last, 0) < 1:
+                    outer.failures[last] = outer.failures.get(last, 0) + 1
+                    return self._send(500, {"error": {"message": "try again"}})
+                if key == "fatal":
+                    return self._send(400, {"error": {"message": "bad request"}})
+                if key == "down":
+                    return self._send(503, {"error": {"message": "overloaded"}})
+                msg = {"role": "assistant", "content": f"reply to {last}"}
+                if key == "think":
+                    msg["reasoning_content"] = "pondering"
+                finish = "length" if key == "long" else "stop"
+                return self._send(
+                    200,
+                    {
+                        "id": "x",
+                        "object": "chat.completion",
+                        "created": 0,
+                        "model": body["model"],
+                        "choices": [{"index": 0, "message": msg, "finish_reason": finish}],
+                    },
+                )
+
+            def _send(self, code, payload):
+                data = json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server(monkeypatch):
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    srv = FakeServer()
+    yield srv
+    srv.close()
+
+
+def oa_conv(cid: str, *users: str) -> Conversation:
+    msgs = []
+    for u in users:
+        msgs += [Message("user", u), Message("assistant", "ORIGINAL")]
+    return Conversation(cid, msgs, "t")
+
+
+def test_openai_backend_retries_and_errors(server, tmp_path: Path) -> None:
+    be = OpenAIBackend(
+        server.url, "target", concurrency=4, max_retries=2, backoff=0.01, timeout_s=10, enable_thinking=False
+    )
+    convs = [
+        oa_conv("ok", "hello a", "hello b"),
+        oa_conv("flaky", "flaky one", "flaky two"),
+        oa_conv("fatal", "fatal x"),
+        oa_conv("down", "down x"),
+        oa_conv("think", "think q"),
+        oa_conv("long", "long q"),
+    ]
+    out = tmp_path / "oa.jsonl"
+    s = regenerate(
+        convs,
+        be,
+        out,
+        max_new_tokens=7,
+        temperature=0.6,
+        top_p=0.9,
+        batch_size=3,
+        progress=False,
+    )
+    assert (s.ok, s.error, s.skipped) == (4, 2, 0) and s.truncated_replies == 1
+    res = read_results(out)
+    assert [m["content"] for m in res["ok"]["messages"]] == [
+        "hello a",
+        "reply to hello a",
+        "hello b",
+        "reply to hello b",
+    ]
+    assert res["flaky"]["status"] == "ok" and res["flaky"]["messages"][3]["content"] == "reply to flaky two"
+    assert "400" in res["fatal"]["reason"] and "503" in res["down"]["reason"]
+    assert res["think"]["messages"][1] == {
+        "role": "assistant",
+        "content": "reply to think q",
+        "reasoning": "pondering",
+    }
+    per_prompt = {}
+    for r in server.requests:
+        per_prompt[r["messages"][-1]["content"]] = per_prompt.get(r["messages"][-1]["content"], 0) + 1
+    assert per_prompt["flaky one"] == 2 and per_prompt["flaky two"] == 2  # one 500, then success
+    assert per_prompt["fatal x"] == 1  # 400 is permanent: no retry
+    assert per_prompt["down x"] == 3  # 503 retried max_retries times
+    r0 = server.requests[0]
+    assert r0["max_tokens"] == 7 and r0["temperature"] == 0.6 and r0["top_p"] == 0.9
+    assert r0["chat_template_kwargs"] == {"enable_thinking": False} and r0["model"] == "target"
+    second_turn = next(r for r in server.requests if r["messages"][-1]["content"] == "hello b")
+    assert second_turn["messages"][1] == {"role": "assistant", "content": "reply to hello a"}
+
+
+class ScriptedBackend:
+    """Replies from a script keyed by the last user message."""
+
+    def __init__(self, script: dict):
+        self.script = script
+
+    def generate(self, prompts, params):
+        return [self.script[p[-1].content] for p in prompts]
+
+
+def test_empty_or_unfinished_replies_end_the_conversation(tmp_path: Path) -> None:
+    from data_prep.regenerate import Reply
+
+    be = ScriptedBackend(
+        {
+            "a1": Reply(content="A1"),
+            "a2": Reply(content=""),
+            "b1": Reply(content="", truncated=True),
+            "c1": Reply(content="C1", reasoning="r", truncated=True),
+            "c2": Reply(content="C2"),
+        }
+    )
+    convs = [oa_conv("a", "a1", "a2"), oa_conv("b", "b1"), oa_conv("c", "c1", "c2")]
+    s = regenerate(convs, be, tmp_path / "s.jsonl", max_new_tokens=4, batch_size=2, progress=False)
+    assert (s.ok, s.skipped, s.error, s.generated_turns, s.truncated_replies) == (2, 1, 0, 3, 1)
+    res = read_results(tmp_path / "s.jsonl")
+    assert res["a"]["reason"] == "ended early: empty reply" and len(res["a"]["messages"]) == 2
+    assert res["b"] == {
+        "status": "skipped",
+        "reason": "no answer within max_new_tokens",
+        "id": "b",
+        "source": "t",
+        "messages": [],
+    }
+    assert res["c"]["messages"][1] == {"role": "assistant", "content": "C1", "reasoning": "r"}
+
+
+def test_hf_thinking_flag_reaches_the_template(tiny_model, tmp_path: Path) -> None:
+    model, _ = tiny_model
+    tok = tiny_tokenizer("qwen3")  # same vocabulary as the fixture's tokenizer
+    special = sorted({tok.convert_tokens_to_ids(t) for t in tok.all_special_tokens})
+    be = HFBackend(
+        CountingModel(model, tok), tok, enable_thinking=False, generate_kwargs={"suppress_tokens": special}
+    )
+    regenerate([conv(0, turns=1)], be, tmp_path / "q.jsonl", max_new_tokens=2, batch_size=1, progress=False)
+    regenerate(
+        [conv(1, turns=1)], be, tmp_path / "q.jsonl", max_new_tokens=2, enable_thinking=True, progress=False
+    )
+    off, on = (call[0] for call in be.model.calls)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert on.endswith("<|im_start|>assistant\n")
