@@ -1,0 +1,278 @@
+"""Export round trip; exported keys/shapes as the engines' loaders consume them; public layouts; TargetHead;
+the models/ import rule."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from models.config import Eagle3Config
+from models.eagle3 import Eagle3Drafter
+from models.export import export_keys, load_export, save_export
+from models.registry import DRAFTERS
+from models.target_head import TargetHead
+
+torch.set_num_threads(1)
+
+TARGET = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48,
+          "num_hidden_layers": 10, "vocab_size": 97, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+          "max_position_embeddings": 128}
+
+
+def make_drafter(draft_vocab_size=40, seed=0) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    d = Eagle3Drafter(Eagle3Config.from_target_config(TARGET, draft_vocab_size=draft_vocab_size))
+    d.load_target_embedding(torch.randn(97, 32))
+    targets = torch.sort(torch.randperm(97)[:draft_vocab_size]).values
+    t2d = torch.zeros(97, dtype=torch.bool)
+    t2d[targets] = True
+    d.set_vocab_mapping(targets - torch.arange(draft_vocab_size), t2d)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return d
+
+
+def logits_of(d: Eagle3Drafter, seed=1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    taps, ids = torch.randn(2, 7, 96, generator=g), torch.randint(0, 97, (2, 7), generator=g)
+    with torch.no_grad():
+        return d.compute_logits(d.forward_step(d.fuse(taps), ids, torch.arange(7)))
+
+
+def test_round_trip_fp32_is_exact(tmp_path):
+    d = make_drafter()
+    save_export(d, tmp_path, dtype=torch.float32)
+    back = load_export(tmp_path, embed_weight=d.embed_tokens.weight)
+    assert torch.equal(logits_of(back), logits_of(d))
+    assert torch.equal(back.d2t, d.d2t) and torch.equal(back.t2d, d.t2d)
+    assert back.cfg == dataclasses.replace(d.cfg, torch_dtype="float32")
+
+
+def test_round_trip_bf16(tmp_path):
+    d = make_drafter()
+    save_export(d, tmp_path)  # default bf16
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert tensors["fc.weight"].dtype == torch.bfloat16
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    rounded = make_drafter()
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.bfloat16().float())
+    back = load_export(tmp_path, embed_weight=rounded.embed_tokens.weight)
+    assert torch.equal(logits_of(back), logits_of(rounded))
+
+
+# Expectations of the engines' loaders, written as data.
+# vLLM 0.32, vllm/model_executor/models/llama_eagle3.py: Eagle3LlamaForCausalLM.load_weights skips "t2d", renames
+# "d2t" -> "draft_id_to_target_id", prefixes everything but lm_head with "model."; LlamaModel.load_weights renames
+# "midlayer." -> "layers.0." and stacks q/k/v -> qkv_proj, gate/up -> gate_up_proj; a name with no parameter is
+# a KeyError. The first layer's qkv_proj takes 2 * hidden_size; fc takes target_hidden_size * 3.
+VLLM_STACKED = [(".qkv_proj", ".q_proj"), (".qkv_proj", ".k_proj"), (".qkv_proj", ".v_proj"),
+                (".gate_up_proj", ".gate_proj"), (".gate_up_proj", ".up_proj")]
+
+
+def vllm_params(c: Eagle3Config) -> dict[str, tuple[int, ...]]:
+    H, D, inter = c.hidden_size, c.head_dim, c.intermediate_size
+    p = "model.layers.0."
+    return {
+        "model.fc.weight": (H, c.target_hidden_size * 3),
+        p + "self_attn.qkv_proj.weight": ((c.num_attention_heads + 2 * c.num_key_value_heads) * D, 2 * H),
+        p + "self_attn.o_proj.weight": (H, c.num_attention_heads * D),
+        p + "mlp.gate_up_proj.weight": (2 * inter, H),
+        p + "mlp.down_proj.weight": (H, inter),
+        p + "input_layernorm.weight": (H,),
+        p + "hidden_norm.weight": (H,),
+        p + "post_attention_layernorm.weight": (H,),
+        "model.norm.weight": (H,),
+        "lm_head.weight": (c.draft_vocab_size, H),
+        "draft_id_to_target_id": (c.draft_vocab_size,),
+        "model.embed_tokens.weight": (c.vocab_size, H),
+    }
+
+
+VLLM_OPTIONAL = {"model.embed_tokens.weight"}  # shared from the target when absent
+
+
+def vllm_load(tensors: dict[str, torch.Tensor], c: Eagle3Config) -> dict[str, tuple[int, ...]]:
+    params, loaded = vllm_params(c), {}
+    for name, t in tensors.items():
+        if "t2d" in name:
+            continue
+        if "d2t" in name:
+            name = name.replace("d2t", "draft_id_to_target_id")
+        elif "lm_head" not in name:
+            name = "model." + name
+        name = name.replace("midlayer.", "layers.0.")
+        for param, shard in VLLM_STACKED:
+            if shard in name:
+                name = name.replace(shard, param)
+                rows = loaded.get(name, (0, t.shape[1]))[0] + t.shape[0]
+                assert loaded.get(name, (0, t.shape[1]))[1] == t.shape[1], name
+                loaded[name] = (rows, t.shape[1])
+                break
+        else:
+            loaded[name] = tuple(t.shape)
+        if name not in params:
+            raise KeyError(f"vLLM has no parameter {name}")
+    return loaded
+
+
+# SGLang, python/sglang/srt/models/llama_eagle3.py: LlamaForCausalLMEagle3.load_weights turns d2t into
+# hot_token_id (d2t + arange), skips t2d, stacks q/k/v and gate/up like vLLM, and looks a name up as-is or under
+# "model."; its parameters keep the "midlayer" name (model.midlayer.*), and a name matching no parameter is
+# SILENTLY skipped - so layers.0.* keys would be dropped there without an error.
+def sglang_params(c: Eagle3Config) -> set[str]:
+    layer = {n.replace("model.layers.0.", "model.midlayer.") for n in vllm_params(c) if "layers.0." in n}
+    return layer | {"model.fc.weight", "model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"}
+
+
+def sglang_consumed(tensors: dict[str, torch.Tensor], c: Eagle3Config) -> tuple[set[str], list[str]]:
+    params, hit, dropped = sglang_params(c), set(), []
+    for name in tensors:
+        if "d2t" in name or "t2d" in name:
+            continue
+        for param, shard in VLLM_STACKED:
+            if shard in name:
+                name = name.replace(shard, param)
+                break
+        full = name if name in params else f"model.{name}"
+        (hit.add(full) if full in params else dropped.append(name))
+    return hit, dropped
+
+
+def test_export_matches_engine_loaders(tmp_path):
+    d = make_drafter()
+    save_export(d, tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(tensors) == sorted(export_keys())
+    cfg_json = json.loads((tmp_path / "config.json").read_text())
+    c = Eagle3Config.from_hf_dict(cfg_json)
+    # config.json fields the engines read
+    assert cfg_json["architectures"] == ["LlamaForCausalLMEagle3"] and cfg_json["model_type"] == "llama"
+    assert cfg_json["num_hidden_layers"] == 1 and cfg_json["tie_word_embeddings"] is False
+    assert cfg_json["draft_vocab_size"] == 40 and cfg_json["vocab_size"] == 97
+    assert cfg_json["target_hidden_size"] == 32 and cfg_json["max_position_embeddings"] == 128
+    assert cfg_json["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 5, 7]  # (2, L//2, L-3), L=10
+    assert LlamaConfig.from_dict(cfg_json).head_dim == 8
+    # vLLM: every key lands on a parameter with the right (stacked) shape; all required ones are covered
+    loaded = vllm_load(tensors, c)
+    expected = vllm_params(c)
+    assert {k: expected[k] for k in loaded} == loaded
+    assert set(expected) - set(loaded) == VLLM_OPTIONAL
+    # d2t is required by vLLM whenever draft_vocab_size != vocab_size
+    assert "draft_id_to_target_id" in loaded and c.draft_vocab_size != c.vocab_size
+    # SGLang: nothing silently dropped, everything but the shared embedding covered
+    hit, dropped = sglang_consumed(tensors, c)
+    assert dropped == [] and sglang_params(c) - hit == {"model.embed_tokens.weight"}
+    # the engines' layer-renamed variant is NOT what we export (SGLang would drop it)
+    _, dropped = sglang_consumed({k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}, c)
+    assert len(dropped) == 10 and all(n.startswith("layers.0.") for n in dropped)
+
+
+def test_public_layout_loads(tmp_path):
+    """layers.0.* keys, an embedded embed_tokens, no t2d, pytorch_model.bin, no eagle_config."""
+    d = make_drafter()
+    save_export(d, tmp_path / "ours", dtype=torch.float32)
+    tensors = load_file(str(tmp_path / "ours" / "model.safetensors"))
+    public = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items() if k != "t2d"}
+    public["embed_tokens.weight"] = d.embed_tokens.weight.detach().clone()
+    cfg = json.loads((tmp_path / "ours" / "config.json").read_text())
+    del cfg["eagle_config"]
+    (tmp_path / "pub").mkdir()
+    torch.save(public, tmp_path / "pub" / "pytorch_model.bin")
+    (tmp_path / "pub" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="target_num_layers"):
+        load_export(tmp_path / "pub")
+    back = load_export(tmp_path / "pub", target_num_layers=10)
+    assert back.cfg.aux_layer_ids == d.cfg.aux_layer_ids == [1, 4, 6]
+    assert torch.equal(back.t2d, d.t2d)  # derived from d2t
+    assert torch.equal(logits_of(back), logits_of(d))
+
+
+def test_load_errors(tmp_path):
+    d = make_drafter()
+    save_export(d, tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(str(path))
+    save_file({**tensors, "midlayer.self_attn.rotary_emb.inv_freq": torch.ones(4)}, str(path))
+    with pytest.raises(ValueError, match="unknown keys \\['midlayer.self_attn.rotary_emb.inv_freq'\\]"):
+        load_export(tmp_path)
+    save_file({k: v for k, v in tensors.items() if k != "d2t"}, str(path))
+    with pytest.raises(ValueError, match="no d2t"):
+        load_export(tmp_path)
+    save_file({**tensors, "fc.weight": tensors["fc.weight"][:, :64].contiguous()}, str(path))
+    with pytest.raises(ValueError, match="fc.weight: checkpoint shape"):
+        load_export(tmp_path)
+    save_file({k: v for k, v in tensors.items() if k != "norm.weight"}, str(path))
+    with pytest.raises(ValueError, match="missing keys \\['norm.weight'\\]"):
+        load_export(tmp_path)
+
+
+def test_full_vocab_drafter_without_d2t_loads_as_identity(tmp_path):
+    d = make_drafter(draft_vocab_size=97)
+    save_export(d, tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}, str(tmp_path / "model.safetensors"))
+    with pytest.warns(UserWarning, match="embed_tokens stays random"):
+        back = load_export(tmp_path)
+    assert torch.equal(back.draft_to_target(torch.arange(97)), torch.arange(97)) and bool(back.t2d.all())
+    assert DRAFTERS["LlamaForCausalLMEagle3"] is Eagle3Drafter
+
+
+# ------------------------------------------------------------------------------------------ target head
+@pytest.mark.parametrize("tied", [False, True])
+def test_target_head_matches_transformers(tmp_path, tied):
+    torch.manual_seed(0)
+    hf_cfg = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                         num_hidden_layers=2, vocab_size=97, rms_norm_eps=1e-5, tie_word_embeddings=tied)
+    model = LlamaForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        model.model.norm.weight.uniform_(0.5, 1.5)
+    ids = torch.randint(0, 97, (2, 6))
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    # hidden_states[-1] is already normed in transformers; the shard stores the PRE-norm last layer output
+    pre_norm = {}
+    hook = model.model.norm.register_forward_hook(lambda m, a, o: pre_norm.setdefault("h", a[0]))
+    with torch.no_grad():
+        model(ids)
+    hook.remove()
+    head = TargetHead.from_hf_model(model)
+    assert head.tied == tied and not any(p.requires_grad for p in head.parameters())
+    torch.testing.assert_close(head.logits(pre_norm["h"]), out.logits, atol=1e-5, rtol=1e-5)
+    head.save(tmp_path / "target_head.safetensors")
+    assert sorted(load_file(str(tmp_path / "target_head.safetensors"))) == sorted(
+        ["embed_tokens.weight", "norm.weight", "lm_head.weight"])
+    again = TargetHead.from_file(tmp_path / "target_head.safetensors", hf_cfg.to_dict())
+    assert torch.equal(again.logits(pre_norm["h"]), head.logits(pre_norm["h"]))
+    assert torch.equal(again.embed_tokens_weight, model.get_input_embeddings().weight)
+    half = TargetHead.from_file(tmp_path / "target_head.safetensors", hf_cfg.to_dict(), dtype=torch.bfloat16)
+    assert half.lm_head.weight.dtype == torch.bfloat16 and half.tied == tied
+    with pytest.raises(ValueError, match="does not match the target config"):
+        TargetHead.from_file(tmp_path / "target_head.safetensors", {**hf_cfg.to_dict(), "vocab_size": 98})
+
+
+# ------------------------------------------------------------------------------------------ import rule
+BANNED = ("torch.distributed", "deepspeed", "wandb", "hydra", "data_prep", "train")
+
+
+def test_models_import_no_distributed_or_pipeline_code():
+    root = Path(__file__).resolve().parents[1] / "models"
+    files = sorted(root.glob("*.py"))
+    assert len(files) >= 6
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                assert not any(name == b or name.startswith(b + ".") for b in BANNED), f"{f.name} imports {name}"
