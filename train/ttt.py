@@ -1,0 +1,281 @@
+"""Training-time test (TTT) for EAGLE-3 drafters: the K-step unroll, its loss and its evaluation.
+
+Alignment (method.md §4.3), for a sequence x_0..x_{T-1} with fused target features g_t:
+- step 0: position t takes (g_t, e(x_{t+1})) and predicts p_{t+1};
+- step k >= 1: position t takes (a_t^{(k-1)}, e(x_{t+k+1})) and predicts p_{t+k+1};
+- RoPE position of (t, k) is t + k; attention via models.attention.TTTCache (step-0 causal prefix
+  plus the position's own diagonal chain; the drafter does that).
+Inputs past the end (t+k+1 >= T) are the pad id 0. p_j (the distribution of x_{j+1}) is a target only
+where j+1 < T_real, loss_mask[j+1], and the target's argmax at j is in the draft vocab; its step-k
+prediction comes from position t = j-k-1 >= 0. Those are the "valid" (k, j) pairs.
+
+Loss normalisation (fixed): loss = Σ_k decay^k · CE_k, CE_k = (Σ over valid positions of step k of
+−Σ_x p̃(x) log q_k(x)) / normalizer[k]. With normalizer None it is this batch's own count of valid
+positions of step k (clamped to >= 1), i.e. the mean over valid positions; a trainer passes the
+all-reduced global counts (`count_valid`) so that the loss of a split batch sums to the full one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from train.batch import PAD_ID, Batch
+from train.loss import VocabMaps, chunked_terms, gather_teacher, teacher_argmax
+
+SUM_KEYS = ("ce_sum", "acc_sum", "min_pq_sum", "n_valid_k")
+
+
+@dataclass
+class TTTSettings:
+    steps: int = 7  # K: TTT unroll length
+    decay: float = 0.8  # λ: step k's CE is weighted λ^k
+    chunk_size: int = 1024  # target positions (flattened over the batch) per loss chunk
+    checkpoint_chunks: bool = True  # activation-checkpoint each loss chunk (recompute logits in backward)
+    checkpoint_layer: bool = False  # activation-checkpoint the drafter layer of each TTT step
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+
+
+def shifted_ids(input_ids: Tensor, shift: int) -> Tensor:
+    """ids[:, t] = input_ids[:, t + shift], PAD_ID past the end."""
+    out = torch.full_like(input_ids, PAD_ID)
+    if shift < input_ids.shape[1]:
+        out[:, : input_ids.shape[1] - shift] = input_ids[:, shift:]
+    return out
+
+
+def target_rows(batch: Batch, steps: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Candidate target positions (b, j) and which steps can reach them.
+
+    Candidates: j+1 is a real, loss-masked token. reachable[k, i]: step k predicts row i from the real
+    position t = j-k-1 >= 0. The in-draft-vocab condition is added where the teacher is evaluated.
+    """
+    cand = torch.zeros_like(batch.valid)
+    cand[:, :-1] = batch.valid[:, 1:] & batch.loss_mask[:, 1:]
+    b_idx, j_idx = cand.nonzero(as_tuple=True)
+    k = torch.arange(steps, device=j_idx.device)[:, None]
+    return b_idx, j_idx, j_idx[None, :] >= k + 1
+
+
+def _float_dtype(module: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+
+
+def _forward_step(drafter: nn.Module, hidden: Tensor, ids: Tensor, pos: Tensor, cache, ckpt: bool) -> Tensor:
+    if not (ckpt and torch.is_grad_enabled()):
+        return drafter.forward_step(hidden, ids, pos, cache)
+    # Backward recomputes the step, and must see the cache as it was BEFORE it (not with this and later
+    # steps' K/V appended): run on a copy of the cache so far and append its additions to the real one.
+    n = len(cache)
+
+    def run(h: Tensor) -> tuple[Tensor, ...]:
+        view = type(cache)()
+        for k, v in zip(cache.keys[:n], cache.values[:n]):
+            view.append(k, v)
+        out = drafter.forward_step(h, ids, pos, view)
+        return (out, *view.keys[n:], *view.values[n:])
+
+    out, *added = checkpoint(run, hidden, use_reentrant=False)
+    half = len(added) // 2
+    for k, v in zip(added[:half], added[half:]):
+        cache.append(k, v)
+    return out
+
+
+def new_ttt_cache():
+    from models.attention import TTTCache  # lazily: models/ may pull in optional attention kernels
+
+    return TTTCache()
+
+
+def unroll(drafter: nn.Module, batch: Batch, settings: TTTSettings) -> list[Tensor]:
+    """Run the K TTT steps; returns each step's drafter output a^{(k)} [B, T, H]."""
+    ids = batch.input_ids
+    B, T = ids.shape
+    hidden = drafter.fuse(batch.taps.to(_float_dtype(drafter)))
+    pos = torch.arange(T, device=ids.device).expand(B, T)
+    cache = new_ttt_cache()
+    outs = []
+    for k in range(settings.steps):
+        hidden = _forward_step(
+            drafter, hidden, shifted_ids(ids, k + 1), pos + k, cache, settings.checkpoint_layer
+        )
+        outs.append(hidden)
+    return outs
+
+
+def _terms(drafter: nn.Module, head: nn.Module, batch: Batch, settings: TTTSettings) -> dict[str, Tensor]:
+    maps = VocabMaps.from_drafter(drafter)
+    b_idx, j_idx, reachable = target_rows(batch, settings.steps)
+    hiddens = unroll(drafter, batch, settings)
+    rows = [h[b_idx, (j_idx - k - 1).clamp_min(0)] for k, h in enumerate(hiddens)]  # [N, H] per step
+    teacher = gather_teacher(batch, b_idx, j_idx)
+    ce, acc, min_pq, valid, correct = chunked_terms(
+        drafter, head, rows, teacher, reachable, maps, settings.chunk_size, settings.checkpoint_chunks
+    )
+    return dict(ce=ce, acc=acc, min_pq=min_pq, valid=valid, correct=correct, b_idx=b_idx, j_idx=j_idx)
+
+
+def _means(sums: dict[str, Tensor]) -> dict[str, Tensor]:
+    n = sums["n_valid_k"].clamp_min(1).double()
+    return {"loss_k": sums["ce_sum"] / n, "acc_k": sums["acc_sum"] / n, "min_pq_k": sums["min_pq_sum"] / n}
+
+
+def ttt_loss(
+    drafter: nn.Module,
+    head: nn.Module,
+    batch: Batch,
+    settings: TTTSettings,
+    normalizer: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The TTT loss of `batch` (normalisation: see the module docstring) and its metrics.
+
+    metrics (detached tensors [K]): raw sums `ce_sum`, `acc_sum`, `min_pq_sum`, counts `n_valid_k`
+    (add them over batches/ranks, or use `reduce_metrics`), and this batch's means `loss_k`, `acc_k`,
+    `min_pq_k` (over its own valid positions), plus `weights` = decay^k.
+    """
+    t = _terms(drafter, head, batch, settings)
+    ce = t["ce"]
+    n_valid = t["valid"].sum(-1)
+    norm = (n_valid if normalizer is None else normalizer.to(ce.device)).clamp_min(1).to(ce.dtype)
+    weights = settings.decay ** torch.arange(settings.steps, device=ce.device, dtype=ce.dtype)
+    loss = (weights * ce / norm).sum()
+    sums = {
+        "ce_sum": ce.detach().double(),
+        "acc_sum": t["acc"],
+        "min_pq_sum": t["min_pq"],
+        "n_valid_k": n_valid,
+    }
+    return loss, {**sums, **_means(sums), "weights": weights.detach()}
+
+
+def reduce_metrics(metrics: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Exact aggregate of `ttt_loss` metrics over batches (or gathered ranks): sums added, means redone."""
+    sums = {k: torch.stack([m[k].to(metrics[0][k].device) for m in metrics]).sum(0) for k in SUM_KEYS}
+    out = {**sums, **_means(sums)}
+    if "weights" in metrics[0]:
+        out["weights"] = metrics[0]["weights"]
+        out["loss"] = (out["weights"].double() * out["loss_k"]).sum()
+    return out
+
+
+@torch.no_grad()
+def count_valid(
+    head: nn.Module, batch: Batch, settings: TTTSettings, vocab: VocabMaps | nn.Module | None = None
+) -> Tensor:
+    """This batch's number of valid positions per TTT step, int64 [K] (teacher argmax only, no drafter).
+
+    `vocab`: the drafter (or its VocabMaps), whose t2d decides "argmax in the draft vocab"; None uses
+    `head.d2t` / `head.t2d`. Cost: for the "hidden" teacher, one chunked full-vocab head matmul.
+    """
+    if vocab is None:
+        vocab = head
+    maps = vocab if isinstance(vocab, VocabMaps) else VocabMaps.from_drafter(vocab)
+    b_idx, j_idx, reachable = target_rows(batch, settings.steps)
+    teacher = gather_teacher(batch, b_idx, j_idx)
+    in_vocab = torch.cat([maps.t2d[teacher_argmax(head, r)] for r in teacher.split(settings.chunk_size)])
+    return (reachable & in_vocab).sum(-1)
+
+
+def simulated_tau(acc: Sequence[float]) -> float:
+    """1 + Σ_{n=1..K} Π_{j<n} acc_j (method.md §6; the 1 is the bonus token)."""
+    tau, prod = 1.0, 1.0
+    for a in acc:
+        prod *= float(a)
+        tau += prod
+    return tau
+
+
+def _chain_counts(valid: Tensor, correct: Tensor, b_idx: Tensor, j_idx: Tensor, shape: tuple[int, int]):
+    """Per start position t, follow its chain (t, k) -> target j = t+k+1; count for alpha_k.
+
+    den_k: chains whose steps 0..k are valid and 0..k-1 correct; num_k: of those, step k correct too.
+    """
+    K = valid.shape[0]
+    B, T = shape
+    dense_v = torch.zeros(K, B, T + K + 1, dtype=torch.bool, device=valid.device)
+    dense_c = torch.zeros_like(dense_v)
+    dense_v[:, b_idx, j_idx] = valid
+    dense_c[:, b_idx, j_idx] = correct
+    alive = torch.ones(B, T, dtype=torch.bool, device=valid.device)
+    num, den = torch.zeros(K, dtype=torch.long), torch.zeros(K, dtype=torch.long)
+    for k in range(K):
+        v_k, c_k = dense_v[k, :, k + 1 : k + 1 + T], dense_c[k, :, k + 1 : k + 1 + T]  # indexed by t
+        den[k] = (alive & v_k).sum().cpu()
+        alive = alive & v_k & c_k
+        num[k] = alive.sum().cpu()
+    return num, den
+
+
+@torch.no_grad()
+def eval_sums(drafter: nn.Module, head: nn.Module, batches: Iterable[Batch], settings: TTTSettings) -> dict:
+    """Raw, additive evaluation counts (CPU tensors [K]); add over ranks, then `summarize`."""
+    K = settings.steps
+    device = next(drafter.parameters()).device
+    out = {k: torch.zeros(K, dtype=torch.float64) for k in ("ce_sum", "acc_sum", "min_pq_sum")}
+    out.update(n_valid_k=torch.zeros(K, dtype=torch.long), alpha_num=torch.zeros(K, dtype=torch.long))
+    out.update(alpha_den=torch.zeros(K, dtype=torch.long), num_samples=torch.zeros((), dtype=torch.long))
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        for batch in batches:
+            batch = batch.to(device)
+            t = _terms(drafter, head, batch, settings)
+            num, den = _chain_counts(
+                t["valid"], t["correct"], t["b_idx"], t["j_idx"], tuple(batch.input_ids.shape)
+            )
+            out["ce_sum"] += t["ce"].double().cpu()
+            out["acc_sum"] += t["acc"].cpu()
+            out["min_pq_sum"] += t["min_pq"].cpu()
+            out["n_valid_k"] += t["valid"].sum(-1).cpu()
+            out["alpha_num"] += num
+            out["alpha_den"] += den
+            out["num_samples"] += len(batch)
+    finally:
+        drafter.train(was_training)
+    return out
+
+
+def _nan_where_zero(count: Tensor) -> Tensor:
+    # A step with no valid position has no accuracy: NaN, not a misleading 0.
+    count = count.double()
+    return torch.where(count > 0, count, torch.nan)
+
+
+def summarize(sums: dict) -> dict:
+    """Floats from `eval_sums` counts.
+
+    acc_k: marginal teacher-forced accuracy of step k over its valid positions. alpha_k: conditional
+    per-position acceptance along each start position's chain (see `_chain_counts`). sim_tau uses the
+    MARGINAL acc_k, as method.md §6 defines simulated τ; sim_tau_alpha is the same formula on alpha_k
+    (= 1 + Σ_n P(first n drafts all accepted), closer to what chain decoding at T=0 sees).
+    A step without valid positions (or chains) gets NaN.
+    """
+    n = _nan_where_zero(sums["n_valid_k"])
+    acc = (sums["acc_sum"] / n).tolist()
+    alpha = (sums["alpha_num"].double() / _nan_where_zero(sums["alpha_den"])).tolist()
+    return {
+        "acc_k": acc,
+        "alpha_k": alpha,
+        "sim_tau": simulated_tau(acc),
+        "sim_tau_alpha": simulated_tau(alpha),
+        "loss_k": (sums["ce_sum"] / n).tolist(),
+        "min_pq_k": (sums["min_pq_sum"] / n).tolist(),
+        "n_valid_k": sums["n_valid_k"].tolist(),
+        "num_samples": int(sums["num_samples"]),
+        "num_positions": int(sums["n_valid_k"][0]),
+    }
+
+
+def evaluate(drafter: nn.Module, head: nn.Module, batches: Iterable[Batch], settings: TTTSettings) -> dict:
+    """Teacher-forced TTT evaluation (no grad): acc_k, alpha_k, sim_tau, loss_k, min_pq_k, counts."""
+    return summarize(eval_sums(drafter, head, batches, settings))
