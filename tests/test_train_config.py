@@ -1,0 +1,100 @@
+"""Training config: presets compose, bad keys/values fail at once and clearly, the lr schedule."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+from train.config import ConfigError, RunConfig, register_configs
+from train.engine import lr_lambda
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+REQUIRED = ["data.dir=/nonexistent/prep", "out_dir=/nonexistent/out"]
+
+
+def _compose(overrides: list[str]) -> RunConfig:
+    register_configs()
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        return RunConfig.from_omegaconf(compose("train", overrides=[*REQUIRED, *overrides]))
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (CONF / "exp").glob("*.yaml")))
+def test_every_exp_preset_composes_and_validates(preset: str) -> None:
+    text = (CONF / "exp" / f"{preset}.yaml").read_text()
+    assert text.startswith("# @package _global_"), "experiment presets are global delta files"
+    cfg = _compose([f"+exp={preset}"])
+    assert cfg.validate(world_size=2) is cfg
+    assert cfg.data.dir == "/nonexistent/prep"
+
+
+def test_presets_are_deltas() -> None:
+    base, ttt, debug = _compose([]), _compose(["+exp=eagle3_ttt"]), _compose(["+exp=debug"])
+    assert (base.train.ttt_steps, base.train.loss_decay, base.deepspeed.zero_stage) == (7, 0.8, 3)
+    assert ttt.train.epochs == 10 and ttt.train.ttt_steps == 7
+    assert debug.train.max_steps == 10 and debug.logger.wandb_mode == "disabled"
+    assert debug.deepspeed == base.deepspeed  # debug changes only what it lists
+
+
+@pytest.mark.parametrize("group", ["deepspeed=zero2", "deepspeed=zero0", "logger=jsonl"])
+def test_group_options_compose(group: str) -> None:
+    cfg = _compose([group])
+    assert cfg.validate(world_size=1)
+
+
+def test_misspelt_key_fails_with_its_name() -> None:
+    with pytest.raises(ConfigCompositionException, match="train.lrr"):
+        _compose(["train.lrr=1"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'train\.lrr'.*did you mean 'train\.lr'"):
+        _compose(["+train.lrr=1"])  # `+` bypasses Hydra's struct check; our key check catches it
+
+
+def test_ill_typed_value_fails_with_its_name() -> None:
+    with pytest.raises(ConfigCompositionException) as e:
+        _compose(["train.lr=abc"])
+    text = str(e.value) + str(e.value.__cause__)
+    assert "train.lr" in text and "Float" in text
+    with pytest.raises(ConfigCompositionException):
+        _compose(["train.ttt_steps=1.5"])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("deepspeed.zero_stage=4", "deepspeed.zero_stage"),
+        ("deepspeed.precision=fp16", "deepspeed.precision"),
+        ("train.loss_decay=0", "train.loss_decay"),
+        ("train.ttt_steps=0", "train.ttt_steps"),
+        ("model.attn_backend=nope", "model.attn_backend"),
+        ("data.batch_size=3", "multiple of the world size"),
+    ],
+)
+def test_validate_rejects_bad_values(override: str, message: str) -> None:
+    cfg = _compose([override])
+    with pytest.raises(ConfigError, match=message):
+        cfg.validate(world_size=2)
+
+
+def test_entry_point_reports_config_errors_before_any_work(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), f"data.dir={tmp_path}", f"out_dir={tmp_path / 'o'}"]
+    bad = subprocess.run([*cmd, "+train.lrr=1"], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode != 0
+    assert "did you mean 'train.lr'" in bad.stderr
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
+def test_lr_schedule_warmup_then_cosine() -> None:
+    warm, total = 4, 20
+    lrs = [lr_lambda(s, warm, total, 0.1) for s in range(total)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert lrs[4] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))  # monotone decay after warmup
+    assert lr_lambda(total, warm, total, 0.1) == pytest.approx(0.1)  # floor = min_lr_ratio
+    assert lrs[12] == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the cosine

@@ -1,0 +1,73 @@
+"""Build the drafter and the frozen target head from a prep dir (model code stays in models/)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from train.config import ModelConfig
+
+GEOMETRY_OVERRIDES = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta")
+
+
+def target_config(prep_dir: Path) -> dict:
+    return json.loads((Path(prep_dir) / "target_config.json").read_text())
+
+
+def draft_vocab(prep_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    t = load_file(str(Path(prep_dir) / "draft_vocab.safetensors"))
+    return t["d2t"].long(), t["t2d"].bool()
+
+
+def drafter_config(cfg: ModelConfig, prep_dir: Path, tap_layers: list[int], max_len: int):
+    """Eagle3Config from the target's config, the shards' tap layers and the overrides in `cfg`."""
+    from models.eagle3 import Eagle3Config
+
+    target = target_config(prep_dir)
+    d2t, _ = draft_vocab(prep_dir)
+    overrides = {k: getattr(cfg, k) for k in GEOMETRY_OVERRIDES if getattr(cfg, k) is not None}
+    dcfg = Eagle3Config.from_target_config(target, draft_vocab_size=d2t.numel(), aux_layer_ids=tap_layers, **overrides)
+    max_pos = cfg.max_position_embeddings or max(max_len, dcfg.max_position_embeddings)
+    return dataclasses.replace(dcfg, max_position_embeddings=max_pos)
+
+
+def build_drafter(cfg: ModelConfig, prep_dir: Path, tap_layers: list[int], max_len: int, head) -> nn.Module:
+    """A freshly initialised drafter (seed first!) with the target's frozen embedding and the vocab maps."""
+    from models.eagle3 import Eagle3Drafter
+
+    drafter = Eagle3Drafter(drafter_config(cfg, prep_dir, tap_layers, max_len), attn_backend=cfg.attn_backend)
+    drafter.load_target_embedding(head.embed_tokens_weight)
+    drafter.set_vocab_mapping(*draft_vocab(prep_dir))
+    if drafter.embed_tokens.weight.requires_grad:
+        raise RuntimeError("the target embedding inside the drafter must be frozen")
+    return drafter
+
+
+def load_head(prep_dir: Path) -> nn.Module:
+    """The frozen target norm + lm_head (+ embedding) that turn teacher hidden states into p."""
+    from models.target_head import TargetHead
+
+    head = TargetHead.from_file(Path(prep_dir) / "target_head.safetensors", target_config(prep_dir))
+    head.requires_grad_(False)
+    return head.eval()
+
+
+def drafter_from_state(config: dict, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> nn.Module:
+    """A CPU drafter rebuilt from a checkpoint's drafter_config.json + tensors (the embedding stays zero:
+    it is the target's and is not part of an export)."""
+    from models.eagle3 import Eagle3Config, Eagle3Drafter
+
+    drafter = Eagle3Drafter(Eagle3Config(**config), attn_backend="auto")
+    missing, unexpected = drafter.load_state_dict({**params, **buffers}, strict=False)
+    unexpected = [k for k in unexpected]
+    missing = [k for k in missing if k != "embed_tokens.weight"]
+    if missing or unexpected:
+        raise KeyError(f"checkpoint does not match the drafter: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        drafter.embed_tokens.weight.zero_()
+    return drafter

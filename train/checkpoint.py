@@ -1,0 +1,195 @@
+"""Portable training checkpoints: resume at any world size and ZeRO stage.
+
+    <run_dir>/checkpoints/
+        latest                      # text: the newest complete checkpoint's directory name
+        step_000100/
+            model.safetensors       # full fp32 trainable parameters + buffers (d2t, t2d)
+            optimizer.safetensors   # full Adam moments: exp_avg/<param>, exp_avg_sq/<param>
+            state.json              # step, Adam step, scheduler, data cursor (global), run metadata
+            rng.pt                  # torch / cuda / python / numpy RNG state (rank 0's)
+            drafter_config.json     # the drafter's config, so an export needs nothing else
+
+Rank 0 writes everything into a temp directory and renames it into place, then replaces `latest`:
+a crash leaves either the previous checkpoint or the new one, never a torn one. The frozen target
+embedding is not stored (it comes from the prep dir's target_head.safetensors).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+LATEST = "latest"
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    params: dict[str, Tensor]
+    buffers: dict[str, Tensor]
+    moments: dict[str, dict[str, Tensor]]
+    state: dict  # state.json
+    rng: dict
+    drafter_config: dict
+
+    def engine_state(self) -> dict:
+        """The shape Engine.prepare(state=...) expects."""
+        return {
+            "params": self.params,
+            **self.moments,
+            "adam_step": self.state["adam_step"],
+            "scheduler": self.state["scheduler"],
+        }
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def rng_state() -> dict:
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": list(_tuple_to_lists(random.getstate())),
+        "numpy": _numpy_state_to_list(np.random.get_state()),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_lists_to_tuple(state["python"]))
+    np.random.set_state(_list_to_numpy_state(state["numpy"]))
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save(
+    root: Path,
+    step: int,
+    engine_state: dict,
+    buffers: dict[str, Tensor],
+    meta: dict,
+    drafter_config: dict,
+    keep: int,
+) -> Path:
+    """Rank 0 only: write checkpoint `step` atomically, point `latest` at it, drop old ones."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp-{final.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    model = {f"param/{k}": v.contiguous() for k, v in engine_state["params"].items()}
+    model.update({f"buffer/{k}": v.contiguous() for k, v in buffers.items()})
+    save_file(model, str(tmp / "model.safetensors"))
+    moments = {
+        f"{key}/{k}": v.contiguous()
+        for key in ("exp_avg", "exp_avg_sq")
+        for k, v in engine_state[key].items()
+    }
+    save_file(moments, str(tmp / "optimizer.safetensors"))
+    state = {
+        "step": step,
+        "adam_step": engine_state["adam_step"],
+        "scheduler": engine_state["scheduler"],
+        **meta,
+    }
+    (tmp / "state.json").write_text(json.dumps(state, indent=1, default=_json_default))
+    (tmp / "drafter_config.json").write_text(json.dumps(drafter_config, indent=1))
+    torch.save(rng_state(), tmp / "rng.pt")
+    if final.exists():  # a rerun of the same step (e.g. resumed and re-saved): replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _write_latest(root, final.name)
+    _rotate(root, keep)
+    return final
+
+
+def latest(root: Path) -> Path | None:
+    """The newest complete checkpoint under `root` (a checkpoints/ dir), or None."""
+    pointer = root / LATEST
+    if pointer.exists():
+        path = root / pointer.read_text().strip()
+        if path.is_dir():
+            return path
+    done = sorted(p for p in root.glob("step_*") if (p / "state.json").exists()) if root.is_dir() else []
+    return done[-1] if done else None
+
+
+def resolve(path: Path) -> Path:
+    """A checkpoint dir, or a checkpoints/ dir or run dir -> its latest checkpoint."""
+    path = Path(path)
+    if (path / "state.json").exists():
+        return path
+    for root in (path, path / "checkpoints"):
+        found = latest(root)
+        if found is not None:
+            return found
+    raise FileNotFoundError(f"{path}: no checkpoint (expected state.json, a `latest` pointer or step_* dirs)")
+
+
+def load(path: Path) -> Checkpoint:
+    path = resolve(path)
+    model = load_file(str(path / "model.safetensors"))
+    moments_flat = load_file(str(path / "optimizer.safetensors"))
+    moments: dict[str, dict[str, Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
+    for k, v in moments_flat.items():
+        key, name = k.split("/", 1)
+        moments[key][name] = v
+    return Checkpoint(
+        path=path,
+        params={k.split("/", 1)[1]: v for k, v in model.items() if k.startswith("param/")},
+        buffers={k.split("/", 1)[1]: v for k, v in model.items() if k.startswith("buffer/")},
+        moments=moments,
+        state=json.loads((path / "state.json").read_text()),
+        rng=torch.load(path / "rng.pt", weights_only=True),
+        drafter_config=json.loads((path / "drafter_config.json").read_text()),
+    )
+
+
+def _write_latest(root: Path, name: str) -> None:
+    tmp = root / f".{LATEST}.tmp"
+    tmp.write_text(name + "\n")
+    os.replace(tmp, root / LATEST)
+
+
+def _rotate(root: Path, keep: int) -> None:
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+    for old in steps[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _json_default(x):
+    if isinstance(x, Tensor):
+        return x.tolist()
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+def _tuple_to_lists(x):
+    return [_tuple_to_lists(v) for v in x] if isinstance(x, tuple) else x
+
+
+def _lists_to_tuple(x):
+    return tuple(_lists_to_tuple(v) for v in x) if isinstance(x, list) else x
+
+
+def _numpy_state_to_list(state: tuple) -> list:
+    name, keys, pos, has_gauss, cached = state
+    return [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
+
+
+def _list_to_numpy_state(state: list) -> tuple:
+    name, keys, pos, has_gauss, cached = state
+    return (name, keys.numpy().astype(np.uint32), pos, has_gauss, cached)

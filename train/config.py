@@ -1,0 +1,253 @@
+"""Typed training configuration: the schema behind conf/train.yaml.
+
+Every group (model, data, train, deepspeed, logger) is a dataclass; the root `RunConfig` is stored in
+Hydra's ConfigStore as `run_schema` and listed first in conf/train.yaml's defaults, so composing a
+config with a misspelt key (`train.lrr=1`) or an ill-typed value (`train.lr=abc`) fails at once with
+Hydra's own message naming the key. `validate()` then checks what types cannot express (ranges,
+enumerations, combinations); launch/train.py calls it before any process group exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+PRECISIONS = ("auto", "bf16", "fp32")
+DIST_BACKENDS = ("auto", "nccl", "gloo")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+class ConfigError(ValueError):
+    """A configuration that composes but cannot run; the message names the key."""
+
+
+@dataclass
+class ModelConfig:
+    attn_backend: str = "auto"  # "auto" (best exact backend for the device) or a name in models.attention
+    # Drafter geometry overrides; None = take the value from the target's config (the usual EAGLE-3 choice).
+    # hidden_size is not overridable: the frozen target embedding and the taps fix it.
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float | None = None
+    # max_position_embeddings written into the export; None = max(data.max_len, target's).
+    max_position_embeddings: int | None = None
+
+
+@dataclass
+class DataConfig:
+    dir: str = MISSING  # a prep output dir: train/, eval/, draft_vocab.safetensors, target_head.safetensors
+    max_len: int = 2048  # samples are truncated to this many tokens
+    # Samples per GLOBAL micro-batch, split evenly over the ranks: the sequence of global batches does
+    # not depend on the world size, which is what makes 1-vs-N runs and N->M resumes line up.
+    batch_size: int = 8
+    bucket: bool = True  # length bucketing: batches of similar lengths (less padding)
+    bucket_pool: int = 64  # batches per bucketing pool (sorted by length inside a pool, then shuffled)
+    eval_batch_size: int = 8  # global, like batch_size
+    eval_max_samples: int | None = None  # None = the whole held-out split
+    num_workers: int = 0  # DataLoader worker processes per rank
+    verify: str = "lazy"  # shard checksum policy: lazy | eager | none
+
+
+@dataclass
+class TrainConfig:
+    ttt_steps: int = 7  # K: TTT unroll length
+    loss_decay: float = 0.8  # lambda: weight of step k is lambda**k
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    warmup_steps: int = 50  # linear warmup (optimizer steps)
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    epochs: int = 1
+    max_steps: int | None = None  # optimizer steps; the run stops at whichever of epochs/max_steps ends first
+    # Stop once the run reaches this optimizer step (checkpointed; continue with train.resume=true and
+    # without this key), without changing the schedule: time-limited allocations, and how tests interrupt.
+    stop_after_steps: int | None = None
+    grad_accum: int = 1  # micro-batches per optimizer step
+    clip: float = 0.5  # global grad-norm clip; 0 disables
+    chunk_size: int = 2048  # target positions per loss chunk (bounds vocab-sized memory)
+    # Activation-checkpoint the drafter layer of each TTT step: memory linear in T with a smaller slope
+    # (long context), at the cost of recomputing the layer in backward.
+    checkpoint_layer: bool = False
+    eval_interval: int = 500  # optimizer steps between held-out evals; 0 = only at the end
+    save_interval: int = 1000  # optimizer steps between checkpoints; 0 = only at the end
+    keep_checkpoints: int = 2  # newest checkpoints kept (the final one is always kept)
+    resume: bool = False  # continue from <out_dir>/checkpoints/latest if it exists
+    seed: int = 0
+    log_interval: int = 1  # optimizer steps between metrics.jsonl lines
+    export: bool = True  # write <run_dir>/export/ at the end
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = 3  # 0 | 1 | 2 | 3
+    precision: str = "auto"  # auto = bf16 on GPUs that support it, fp32 on CPU
+    dist_backend: str = "auto"  # auto = nccl on CUDA, gloo on CPU
+    # DeepSpeed JIT-builds a shared-memory all-reduce op on CPU the first time (~50 s); gloo does
+    # the job, so it is skipped unless asked for.
+    cpu_shm_comm: bool = False
+    reduce_bucket_size: int = 50_000_000
+    # ZeRO-3 prefetching and parameter reuse follow a per-rank trace of module calls. The loss calls the
+    # output head once per chunk of loss positions, a count that differs between ranks, so the traces
+    # differ and trace-driven all-gathers would mismatch across ranks (a hang). Off by default: params
+    # are gathered on demand in call order (the head itself is kept gathered; see Engine._keep_gathered).
+    stage3_prefetch_bucket_size: int = 0
+    stage3_max_reuse_distance: int = 0
+    stage3_param_persistence_threshold: int = 100_000
+    extra: dict[str, Any] = field(default_factory=dict)  # merged last into the DeepSpeed config dict
+
+
+@dataclass
+class LoggerConfig:
+    wandb_mode: str = "offline"  # offline | online | disabled; metrics.jsonl is written regardless
+    project: str = "eagle3-drafter"
+    name: str | None = None  # None = the run directory's name
+    progress: bool = True  # tqdm bar on rank 0
+
+
+@dataclass
+class RunConfig:
+    out_dir: str = MISSING  # everything of a run goes here (a sweep: one sub-directory per job)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+    @classmethod
+    def from_omegaconf(cls, raw: DictConfig) -> RunConfig:
+        """A composed Hydra config (hydra keys dropped) as a plain, typed RunConfig."""
+        raw = OmegaConf.masked_copy(raw, [k for k in raw.keys() if k != "hydra"])
+        # Hydra's `+key=value` opens the struct flag, so an appended key can slip past the schema.
+        _check_keys(OmegaConf.to_container(raw, resolve=False), cls, "")
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), raw))
+        assert isinstance(cfg, cls)
+        return cfg
+
+    def to_yaml(self) -> str:
+        return OmegaConf.to_yaml(OmegaConf.structured(self))
+
+    def validate(self, world_size: int | None = None) -> RunConfig:
+        """Raise ConfigError for values that would fail (or silently misbehave) later. Returns self."""
+        m, d, t, ds, lg = self.model, self.data, self.train, self.deepspeed, self.logger
+        from models.attention import ATTENTION  # the registry decides which backend names exist
+
+        _one_of("model.attn_backend", m.attn_backend, ("auto", *sorted(ATTENTION)))
+        _one_of("deepspeed.precision", ds.precision, PRECISIONS)
+        _one_of("deepspeed.dist_backend", ds.dist_backend, DIST_BACKENDS)
+        _one_of("deepspeed.zero_stage", ds.zero_stage, (0, 1, 2, 3))
+        _one_of("logger.wandb_mode", lg.wandb_mode, WANDB_MODES)
+        _one_of("data.verify", d.verify, ("lazy", "eager", "none"))
+        for key, value in [
+            ("data.max_len", d.max_len),
+            ("data.batch_size", d.batch_size),
+            ("data.bucket_pool", d.bucket_pool),
+            ("data.eval_batch_size", d.eval_batch_size),
+            ("train.ttt_steps", t.ttt_steps),
+            ("train.epochs", t.epochs),
+            ("train.grad_accum", t.grad_accum),
+            ("train.chunk_size", t.chunk_size),
+            ("train.log_interval", t.log_interval),
+            ("train.keep_checkpoints", t.keep_checkpoints),
+        ]:
+            if value < 1:
+                raise ConfigError(f"{key} must be >= 1, got {value}")
+        for key, value in [
+            ("train.warmup_steps", t.warmup_steps),
+            ("train.eval_interval", t.eval_interval),
+            ("train.save_interval", t.save_interval),
+            ("train.clip", t.clip),
+            ("train.weight_decay", t.weight_decay),
+            ("data.num_workers", d.num_workers),
+        ]:
+            if value < 0:
+                raise ConfigError(f"{key} must be >= 0, got {value}")
+        for key, value in [("train.max_steps", t.max_steps), ("train.stop_after_steps", t.stop_after_steps)]:
+            if value is not None and value < 1:
+                raise ConfigError(f"{key} must be >= 1 or null, got {value}")
+        if not 0.0 < t.loss_decay <= 1.0:
+            raise ConfigError(f"train.loss_decay must be in (0, 1], got {t.loss_decay}")
+        if not t.lr > 0:
+            raise ConfigError(f"train.lr must be > 0, got {t.lr}")
+        if not 0.0 <= t.min_lr_ratio <= 1.0:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+        if len(t.betas) != 2 or not all(0.0 <= b < 1.0 for b in t.betas):
+            raise ConfigError(f"train.betas must be two values in [0, 1), got {t.betas}")
+        for key, value in [
+            ("model.intermediate_size", m.intermediate_size),
+            ("model.num_attention_heads", m.num_attention_heads),
+            ("model.num_key_value_heads", m.num_key_value_heads),
+            ("model.head_dim", m.head_dim),
+            ("model.max_position_embeddings", m.max_position_embeddings),
+            ("data.eval_max_samples", d.eval_max_samples),
+        ]:
+            if value is not None and value < 1:
+                raise ConfigError(f"{key} must be >= 1 or null, got {value}")
+        if m.num_attention_heads and m.num_key_value_heads and m.num_attention_heads % m.num_key_value_heads:
+            raise ConfigError(
+                f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of "
+                f"model.num_key_value_heads ({m.num_key_value_heads})"
+            )
+        if world_size is not None:
+            for key, value in [
+                ("data.batch_size", d.batch_size),
+                ("data.eval_batch_size", d.eval_batch_size),
+            ]:
+                if value % world_size:
+                    raise ConfigError(
+                        f"{key}={value} must be a multiple of the world size {world_size}: each global batch "
+                        "is split evenly over the ranks"
+                    )
+        if ds.cpu_shm_comm and ds.dist_backend == "nccl":
+            warnings.warn("deepspeed.cpu_shm_comm has no effect with the nccl backend", stacklevel=2)
+        if t.eval_interval and t.max_steps and t.eval_interval > t.max_steps:
+            warnings.warn(
+                f"train.eval_interval={t.eval_interval} > train.max_steps={t.max_steps}: only the final eval runs",
+                stacklevel=2,
+            )
+        return self
+
+
+def _check_keys(node: Any, schema: type, prefix: str) -> None:
+    if not (dataclasses.is_dataclass(schema) and isinstance(node, dict)):
+        return
+    known = {f.name: f for f in dataclasses.fields(schema)}
+    hints = typing.get_type_hints(schema)
+    for key, value in node.items():
+        if key not in known:
+            close = difflib.get_close_matches(str(key), list(known), n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {sorted(known)}"
+            raise ConfigError(f"unknown config key '{prefix}{key}' (not in {schema.__name__}){hint}")
+        _check_keys(value, hints[key], f"{prefix}{key}.")
+
+
+def _one_of(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
+
+
+@dataclass
+class ExportConfig:
+    """launch/export.py: write a serving export from a training checkpoint (CPU, offline)."""
+
+    checkpoint: str = (
+        MISSING  # a checkpoint dir (…/checkpoints/step_000100) or a run's checkpoints/ dir (latest)
+    )
+    out: str = MISSING
+    max_position_embeddings: int | None = None  # None = what the checkpoint recorded
+
+
+def register_configs() -> None:
+    """Put the schemas into Hydra's ConfigStore (idempotent; called by the entry points)."""
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    cs.store(name="export_schema", node=ExportConfig)

@@ -1,0 +1,155 @@
+"""Shards -> per-rank Batches, through a sampler defined over GLOBAL batches.
+
+The sampler orders the whole train split into global micro-batches of `data.batch_size` samples as a
+pure function of (seed, epoch, sample lengths): the world size plays no part. Each global batch is then
+split over the ranks (rank r takes members r, r+W, ...), and every rank pads its part to the global
+batch's longest sample, so all ranks run identically shaped steps (ZeRO-3 needs every rank to call the
+same modules the same number of times) and 1-process and N-process runs see the same global batches.
+The resumable cursor is (epoch, global batch index within the epoch): valid at any world size.
+
+Length bucketing: the epoch's permutation is cut into pools of `bucket_pool` batches, each pool is
+sorted by length and cut into batches, and the batch order is shuffled, so a batch holds samples of
+similar length (little padding) while the epoch stays random. Incomplete batches are dropped
+(train and eval alike), so the data seen never depends on the world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, fields, replace
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from data_prep.shards import ShardSet
+from train.batch import PAD_ID, Batch, collate
+from train.config import DataConfig
+
+
+@dataclass
+class Cursor:
+    """Where the next micro-batch comes from: global batch `batch` of epoch `epoch`."""
+
+    epoch: int = 0
+    batch: int = 0
+
+    def samples_seen(self, batches_per_epoch: int, batch_size: int) -> int:
+        return (self.epoch * batches_per_epoch + self.batch) * batch_size
+
+
+def global_batches(
+    lengths: list[int], batch_size: int, seed: int, epoch: int, bucket: bool, bucket_pool: int
+) -> list[list[int]]:
+    """Sample indices of every global batch of `epoch`, in order. Deterministic; world size free."""
+    n_batches = len(lengths) // batch_size
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = torch.randperm(len(lengths), generator=g)[: n_batches * batch_size].tolist()
+    if not bucket:
+        return [perm[i : i + batch_size] for i in range(0, len(perm), batch_size)]
+    batches: list[list[int]] = []
+    pool = bucket_pool * batch_size
+    for start in range(0, len(perm), pool):
+        chunk = sorted(perm[start : start + pool], key=lambda i: (-lengths[i], i))
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    order = torch.randperm(len(batches), generator=g).tolist()
+    return [batches[i] for i in order]
+
+
+def rank_part(batch: list[int], rank: int, world_size: int) -> list[int]:
+    return batch[rank::world_size]
+
+
+def pad_to(batch: Batch, length: int) -> Batch:
+    """Right-pad every [B, T, ...] tensor of `batch` to T = length (padding is never valid)."""
+    extra = length - batch.input_ids.shape[1]
+    if extra <= 0:
+        return batch
+    pads = {"input_ids": PAD_ID}
+
+    def pad(name: str, x):
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            return x
+        shape = (x.shape[0], extra, *x.shape[2:])
+        return torch.cat([x, x.new_full(shape, pads.get(name, 0))], dim=1)
+
+    return replace(batch, **{f.name: pad(f.name, getattr(batch, f.name)) for f in fields(batch)})
+
+
+class _Indexed(Dataset):
+    """Items are (sample index, padded length) pairs, so collate knows the global batch's length."""
+
+    def __init__(self, shards: ShardSet):
+        self.shards = shards
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def __getitem__(self, item: tuple[int, int]):
+        index, length = item
+        return self.shards[index], length
+
+
+def _collate(items, max_len: int) -> Batch:
+    samples = [s for s, _ in items]
+    return pad_to(collate(samples, max_len=max_len), items[0][1])
+
+
+class ShardBatches:
+    """One split (train or eval) of a prep dir, as this rank's part of each global batch."""
+
+    def __init__(
+        self,
+        root: Path,
+        cfg: DataConfig,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int = 0,
+        max_samples: int | None = None,
+    ):
+        self.shards = ShardSet(root, verify=cfg.verify)
+        self.cfg, self.batch_size, self.rank, self.world_size, self.seed = (
+            cfg,
+            batch_size,
+            rank,
+            world_size,
+            seed,
+        )
+        # max_samples: only the first samples of the split take part (a fixed held-out subset).
+        self.lengths = [min(n, cfg.max_len) for n in self.shards.lengths()[:max_samples]]
+        if batch_size % world_size:
+            raise ValueError(f"batch size {batch_size} is not a multiple of the world size {world_size}")
+        if len(self.lengths) < batch_size:
+            raise ValueError(f"{root}: {len(self.lengths)} samples, fewer than one batch of {batch_size}")
+
+    @property
+    def manifest(self):
+        return self.shards.manifest
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.lengths) // self.batch_size
+
+    def epoch(self, epoch: int, start: int = 0, shuffle: bool = True) -> Iterator[Batch]:
+        """This rank's part of global batches start.. of `epoch` (shuffle=False: eval order, by length)."""
+        if shuffle:
+            order = global_batches(
+                self.lengths, self.batch_size, self.seed, epoch, self.cfg.bucket, self.cfg.bucket_pool
+            )
+        else:
+            by_len = sorted(range(len(self.lengths)), key=lambda i: (-self.lengths[i], i))
+            by_len = by_len[: self.batches_per_epoch * self.batch_size]
+            order = [by_len[i : i + self.batch_size] for i in range(0, len(by_len), self.batch_size)]
+        plan = [
+            [(i, max(self.lengths[j] for j in batch)) for i in rank_part(batch, self.rank, self.world_size)]
+            for batch in order[start:]
+        ]
+        loader = DataLoader(
+            _Indexed(self.shards),
+            batch_sampler=plan,
+            collate_fn=partial(_collate, max_len=self.cfg.max_len),
+            num_workers=self.cfg.num_workers,
+        )
+        yield from loader

@@ -1,0 +1,37 @@
+"""Checkpoint -> serving export (config.json + model.safetensors), on CPU, offline.
+
+Used at the end of a run (rank 0, from the consolidated fp32 parameters) and by launch/export.py for
+any saved checkpoint. The layout itself is models.export.save_export's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import Tensor
+
+from train import checkpoint
+from train.build import drafter_from_state
+
+
+def export_drafter(
+    config: dict,
+    params: dict[str, Tensor],
+    buffers: dict[str, Tensor],
+    out: str | Path,
+    max_position_embeddings: int | None = None,
+) -> Path:
+    from models.export import save_export
+
+    if max_position_embeddings is not None:
+        config = {**config, "max_position_embeddings": max_position_embeddings}
+    drafter = drafter_from_state(config, params, buffers)
+    drafter.set_vocab_mapping(drafter.d2t.clone(), drafter.t2d.clone())  # refuse an inconsistent mapping
+    return save_export(drafter, out)
+
+
+def export_checkpoint(path: str | Path, out: str | Path, max_position_embeddings: int | None = None) -> Path:
+    """Export the checkpoint at `path` (a step dir, or a run / checkpoints dir -> its latest)."""
+    ckpt = checkpoint.load(Path(path))
+    return export_drafter(ckpt.drafter_config, ckpt.params, ckpt.buffers, out, max_position_embeddings)
+

@@ -1,0 +1,122 @@
+"""Sweep summary: held-out simulated tau and per-step accuracy per (K, lambda) over a sweep's jobs.
+
+    python -m train.sweep <sweep_dir>      # also run automatically after `launch/train.py -m ...` (rank 0)
+
+Reads every <sweep_dir>/job*/summary.json (+ .hydra/overrides.yaml when present) and writes
+<sweep_dir>/sweep_summary.md (table), .json (rows) and .png (sim tau vs lambda per K; acc_k per job).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+
+
+def collect(sweep_dir: Path) -> list[dict]:
+    rows = []
+    for job in sorted(sweep_dir.glob("job*"), key=lambda p: int(p.name[3:]) if p.name[3:].isdigit() else 1 << 30):
+        path = job / "summary.json"
+        if not path.exists():
+            rows.append({"job": job.name, "status": "no summary (failed or running)"})
+            continue
+        s = json.loads(path.read_text())
+        ev = s.get("eval") or {}
+        overrides_file = job / ".hydra" / "overrides.yaml"
+        overrides = []
+        if overrides_file.exists():
+            import yaml
+
+            overrides = yaml.safe_load(overrides_file.read_text()) or []
+        rows.append({
+            "job": job.name,
+            "status": "finished" if s.get("finished") else "stopped",
+            "K": s.get("ttt_steps"),
+            "lambda": s.get("loss_decay"),
+            "steps": s.get("steps"),
+            "sim_tau": ev.get("sim_tau"),
+            "acc_k": ev.get("acc_k"),
+            "alpha_k": ev.get("alpha_k"),
+            "eval_loss_k": ev.get("loss_k"),
+            "wall_s": s.get("wall_s"),
+            "overrides": [o for o in overrides if not o.startswith(("out_dir=", "data.dir="))],
+        })
+    return rows
+
+
+def _fmt(x, nd: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def markdown(rows: list[dict]) -> str:
+    k_max = max((len(r["acc_k"]) for r in rows if r.get("acc_k")), default=0)
+    head = ["job", "K", "λ", "steps", "held-out sim τ", *[f"acc_{i}" for i in range(k_max)], "status"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    ordered = sorted(rows, key=lambda r: (r.get("K") or 0, r.get("lambda") or 0, r["job"]))
+    for r in ordered:
+        acc = list(r.get("acc_k") or []) + [None] * k_max
+        cells = [r["job"], _fmt(r.get("K")), _fmt(r.get("lambda"), 2), _fmt(r.get("steps")), _fmt(r.get("sim_tau")),
+                 *[_fmt(a) for a in acc[:k_max]], r["status"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    done = [r for r in rows if r.get("sim_tau") is not None]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for k in sorted({r["K"] for r in done}):
+        pts = sorted((r["lambda"], r["sim_tau"]) for r in done if r["K"] == k)
+        ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"K={k}")
+    ax1.set_xlabel("loss decay λ")
+    ax1.set_ylabel("held-out simulated τ")
+    ax1.set_title("simulated τ per (K, λ)")
+    ax1.legend()
+    for r in done:
+        ax2.plot(range(len(r["acc_k"])), r["acc_k"], marker=".", label=f"K={r['K']} λ={r['lambda']}")
+    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax2.set_xlabel("TTT step k")
+    ax2.set_ylabel("held-out acc_k")
+    ax2.set_title("per-step accuracy")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_summary(sweep_dir: str | Path) -> Path:
+    sweep_dir = Path(sweep_dir)
+    rows = collect(sweep_dir)
+    (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=1))
+    (sweep_dir / "sweep_summary.md").write_text(markdown(rows))
+    plot(rows, sweep_dir / "sweep_summary.png")
+    return sweep_dir / "sweep_summary.md"
+
+
+class SweepSummaryCallback(Callback):
+    """Hydra callback (conf/train.yaml): after a multirun, rank 0 writes the sweep summary."""
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
+        path = write_summary(Path(config.hydra.sweep.dir))
+        print(path.read_text(), file=sys.stderr)
+        print(f"sweep summary: {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m train.sweep <sweep_dir>")
+    print(write_summary(sys.argv[1]).read_text())

@@ -1,0 +1,243 @@
+"""The training loop: shards -> TTT loss -> DeepSpeed step, with eval, checkpoints, export, metrics.
+
+One micro-step: this rank's part of the global batch -> count_valid -> all-reduce the counts (the
+global normaliser, so the loss of a split batch equals the loss of the whole one) -> ttt_loss ->
+engine.backward(loss * world_size) (DeepSpeed averages gradients over ranks; the scaling turns that
+back into the sum the global normaliser expects) -> engine.step(). An optimizer step happens at each
+accumulation boundary; metrics, evals and checkpoints count optimizer steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from train import checkpoint
+from train.build import build_drafter, load_head
+from train.config import RunConfig
+from train.data import Cursor, ShardBatches
+from train.engine import Engine, init_distributed
+from train.metrics import MetricsLogger, memory_stats
+
+log = logging.getLogger("train")
+# Modules the loss calls once per chunk of loss positions (a per-rank, data-dependent count).
+PER_CHUNK_MODULES = ("norm", "lm_head")
+
+
+def total_steps(cfg: RunConfig, batches_per_epoch: int) -> int:
+    steps = cfg.train.epochs * batches_per_epoch // cfg.train.grad_accum
+    if cfg.train.max_steps is not None:
+        steps = min(steps, cfg.train.max_steps)
+    if steps < 1:
+        raise ValueError(
+            f"no optimizer step fits: {batches_per_epoch} batches/epoch x {cfg.train.epochs} epochs "
+            f"< grad_accum {cfg.train.grad_accum}"
+        )
+    return steps
+
+
+def _all_reduce(x: Tensor) -> Tensor:
+    dist.all_reduce(x)
+    return x
+
+
+class Window:
+    """Sums over the micro-batches of one optimizer step (already all-reduced over ranks)."""
+
+    def __init__(self, steps: int):
+        self.k = steps
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums = torch.zeros(4 * self.k + 2, dtype=torch.float64)
+        self.micro = 0
+        self.start = time.perf_counter()
+
+    def add(self, packed: Tensor) -> None:
+        self.sums += packed
+        self.micro += 1
+
+    def metrics(self) -> dict:
+        k, s = self.k, self.sums
+        n = s[1 + 3 * k : 1 + 4 * k].clamp_min(1)
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        return {
+            "loss": float(s[0] / self.micro),
+            "loss_k": (s[1 : 1 + k] / n).tolist(),
+            "acc_k": (s[1 + k : 1 + 2 * k] / n).tolist(),
+            "min_pq_k": (s[1 + 2 * k : 1 + 3 * k] / n).tolist(),
+            "n_valid_k": s[1 + 3 * k : 1 + 4 * k].long().tolist(),
+            "tokens": int(s[-1]),
+            "tokens_per_s": float(s[-1]) / elapsed,
+        }
+
+
+def micro_step(engine: Engine, module, head, batch, settings, world: int) -> Tensor:
+    from train.ttt import count_valid, ttt_loss
+
+    batch = batch.to(engine.device, engine.dtype)
+    counts = _all_reduce(count_valid(head, batch, settings, vocab=module))
+    loss, m = ttt_loss(module, head, batch, settings, normalizer=counts)
+    engine.backward(loss * world)
+    packed = torch.cat([
+        loss.detach().double().cpu().view(1),
+        *(m[key].detach().double().cpu() for key in ("ce_sum", "acc_sum", "min_pq_sum", "n_valid_k")),
+        batch.valid.sum().double().cpu().view(1),
+    ])
+    return _all_reduce(packed.to(engine.device)).cpu()
+
+
+def evaluate(engine: Engine, module, head, data: ShardBatches, settings) -> dict:
+    """Held-out TTT metrics over the whole eval subset, every rank on its part, counts all-reduced."""
+    from train.ttt import eval_sums, summarize
+
+    batches = (b.to(engine.device, engine.dtype) for b in data.epoch(0, shuffle=False))
+    sums = eval_sums(module, head, batches, settings)
+    return summarize({k: _all_reduce(v.to(engine.device)).cpu() for k, v in sums.items()})
+
+
+def save_checkpoint(engine: Engine, module, run_dir: Path, step: int, cursor: Cursor, cfg: RunConfig) -> None:
+    state = engine.portable_state()  # collective
+    if engine.rank == 0:
+        meta = {
+            "cursor": dataclasses.asdict(cursor),
+            "world_size": engine.world_size,
+            "zero_stage": cfg.deepspeed.zero_stage,
+            "precision": engine.precision,
+            "data_dir": cfg.data.dir,
+        }
+        buffers = {"d2t": module.d2t.cpu(), "t2d": module.t2d.cpu()}
+        path = checkpoint.save(
+            run_dir / "checkpoints", step, state, buffers, meta, dataclasses.asdict(module.cfg),
+            cfg.train.keep_checkpoints,
+        )
+        log.info("checkpoint %s", path)
+    dist.barrier()
+
+
+def export(engine: Engine, module, out: Path) -> None:
+    from train.export import export_drafter
+
+    params = engine.full_params()  # collective
+    if engine.rank == 0:
+        buffers = {"d2t": module.d2t.cpu(), "t2d": module.t2d.cpu()}
+        export_drafter(dataclasses.asdict(module.cfg), params, buffers, out)
+        log.info("export %s", out)
+    dist.barrier()
+
+
+def run(cfg: RunConfig, run_dir: str | Path) -> dict:
+    """Train per `cfg`, everything written under `run_dir`; returns the summary (rank 0; {} elsewhere)."""
+    from train.ttt import TTTSettings
+
+    t0 = time.perf_counter()
+    rank, world = init_distributed(cfg.deepspeed.dist_backend, cfg.deepspeed.cpu_shm_comm)
+    cfg.validate(world)
+    t, run_dir, prep = cfg.train, Path(run_dir), Path(cfg.data.dir)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    train_data = ShardBatches(prep / "train", cfg.data, cfg.data.batch_size, rank, world, seed=t.seed)
+    eval_data = None
+    if (prep / "eval" / "manifest.json").exists():
+        eval_data = ShardBatches(
+            prep / "eval", cfg.data, cfg.data.eval_batch_size, rank, world, max_samples=cfg.data.eval_max_samples
+        )
+    steps_total = total_steps(cfg, train_data.batches_per_epoch)
+    latest = checkpoint.latest(run_dir / "checkpoints") if t.resume else None
+    ckpt = checkpoint.load(latest) if latest is not None else None
+    if t.resume and ckpt is None:
+        log.warning("train.resume=true but %s has no checkpoint: starting from scratch", run_dir / "checkpoints")
+
+    torch.manual_seed(t.seed)  # identical initial weights on every rank (ZeRO-3 partitions each rank's copy)
+    head = load_head(prep)
+    drafter = build_drafter(cfg.model, prep, train_data.manifest.tap_layers, cfg.data.max_len, head)
+    engine = Engine(cfg.deepspeed, t, steps_total)
+    head.to(engine.device, engine.dtype)
+    module = engine.prepare(drafter, ckpt.engine_state() if ckpt else None, keep_gathered=PER_CHUNK_MODULES)
+    step, cursor = 0, Cursor()
+    if ckpt is not None:
+        step, cursor = ckpt.state["step"], Cursor(**ckpt.state["cursor"])
+        checkpoint.set_rng_state(ckpt.rng)
+        log.info("resumed from %s (step %d, saved at world size %d)", ckpt.path, step, ckpt.state["world_size"])
+    del ckpt
+
+    settings = TTTSettings(
+        steps=t.ttt_steps, decay=t.loss_decay, chunk_size=t.chunk_size, checkpoint_layer=t.checkpoint_layer
+    )
+    logger = MetricsLogger(cfg.logger, run_dir, rank, dataclasses.asdict(cfg), steps_total, step)
+    window, last_eval, last_saved, eval_metrics = Window(t.ttt_steps), -1, step, None
+    tokens_total = 0
+    engine.train()
+    while step < steps_total and (t.stop_after_steps is None or step < t.stop_after_steps):
+        for batch in train_data.epoch(cursor.epoch, cursor.batch):
+            cursor.batch += 1
+            if cursor.batch == train_data.batches_per_epoch:
+                cursor = Cursor(cursor.epoch + 1, 0)
+            lr = engine.lr
+            window.add(micro_step(engine, module, head, batch, settings, world))
+            if not engine.step():
+                continue
+            step += 1
+            metrics = window.metrics()
+            tokens_total += metrics["tokens"]
+            if step % t.log_interval == 0 or step == steps_total:
+                logger.log("train", step, {**metrics, "lr": lr, "grad_norm": engine.grad_norm,
+                                           "epoch": cursor.epoch + cursor.batch / train_data.batches_per_epoch,
+                                           **memory_stats()})
+            logger.advance()
+            if eval_data is not None and t.eval_interval and step % t.eval_interval == 0:
+                eval_metrics = evaluate(engine, module, head, eval_data, settings)
+                logger.log("eval", step, eval_metrics)
+                engine.train()
+                last_eval = step
+            if t.save_interval and step % t.save_interval == 0:
+                save_checkpoint(engine, module, run_dir, step, cursor, cfg)
+                last_saved = step
+            window.reset()  # after eval/save, so tokens/s measures training only
+            if step >= steps_total or (t.stop_after_steps is not None and step >= t.stop_after_steps):
+                break
+
+    finished = step >= steps_total
+    if last_saved != step:
+        save_checkpoint(engine, module, run_dir, step, cursor, cfg)
+    if finished and eval_data is not None and last_eval != step:
+        eval_metrics = evaluate(engine, module, head, eval_data, settings)
+        logger.log("eval", step, eval_metrics)
+    if finished and t.export:
+        export(engine, module, run_dir / "export")
+    summary = {
+        "finished": finished,
+        "steps": step,
+        "total_steps": steps_total,
+        "epoch": cursor.epoch + cursor.batch / train_data.batches_per_epoch,
+        "world_size": world,
+        "precision": engine.precision,
+        "zero_stage": cfg.deepspeed.zero_stage,
+        "ttt_steps": t.ttt_steps,
+        "loss_decay": t.loss_decay,
+        "eval": eval_metrics,
+        "wall_s": time.perf_counter() - t0,
+        "tokens": tokens_total,
+        **memory_stats(),
+    }
+    if rank == 0:
+        logger.log("summary", step, summary)
+        (run_dir / "summary.json").write_text(_json(summary))
+        log.info("done: %d/%d steps in %.1f s; held-out sim_tau %s", step, steps_total, summary["wall_s"],
+                 None if eval_metrics is None else round(eval_metrics["sim_tau"], 3))
+    logger.close()
+    engine.destroy()
+    return summary if rank == 0 else {}
+
+
+def _json(x) -> str:
+    import json
+
+    return json.dumps(x, indent=1, default=float)
