@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from data_prep.capture import HiddenStateCapture, base_model, compact_teacher
-from data_prep.chat import Dropped, render_conversation, template_hash
+from data_prep.chat import Dropped, render_conversation, render_prompt, template_hash
 from data_prep.config import PrepConfig
 from data_prep.conversations import Conversation, load_conversations, split_conversations
 from data_prep.shards import (
@@ -83,6 +83,24 @@ def select_conversations(cfg: PrepConfig) -> tuple[dict[str, list[Conversation]]
     if cfg.num_samples > 0:
         train = train[: cfg.num_samples]
     return {"train": train, "eval": held_out}, skips.to_dict()
+
+
+def first_prompt_tokens(tokenizer, conv: Conversation, kwargs: dict) -> int:
+    first = next(i for i, m in enumerate(conv.messages) if m.role == "assistant")
+    return len(render_prompt(tokenizer, conv.messages[:first], template_kwargs=kwargs))
+
+
+def plan_regeneration(cfg: PrepConfig, preset: TargetPreset, tokenizer, convs: list[Conversation]):
+    """Shortest prompts first (batches pad less), and no conversation whose first reply cannot fit.
+
+    A conversation whose first prompt leaves less than regen.max_new_tokens of room under max_length
+    would be cut before its regenerated reply is complete; it is skipped (counted), not regenerated.
+    """
+    kwargs = template_kwargs(cfg, preset)
+    lengths = {c.id: first_prompt_tokens(tokenizer, c, kwargs) for c in convs}
+    room = cfg.max_length - cfg.regen.max_new_tokens
+    kept = sorted((c for c in convs if lengths[c.id] <= room), key=lambda c: lengths[c.id])
+    return kept, len(convs) - len(kept)
 
 
 def regenerate_split(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, convs, path: Path):
@@ -294,6 +312,8 @@ def run(cfg: PrepConfig) -> dict | None:
         for split in SPLITS:
             mine = splits[split][rank::world]
             if cfg.regen.enabled:
+                mine, too_long = plan_regeneration(cfg, preset, tokenizer, mine)
+                counts["regen: first prompt leaves no room for a reply under max_length"] += too_long
                 path = out / "regen" / f"{split}.r{rank}.jsonl"
                 mine, regen_summary[split] = regenerate_split(cfg, preset, model, tokenizer, mine, path)
             rendered, render_counts = render_all(cfg, tokenizer, mine, preset)

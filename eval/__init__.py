@@ -1,0 +1,15 @@
+"""Evaluation of drafters by real speculative decoding (method.md §1, §3, §4.2, §6).
+
+    sampling.py     warp_logits / target_probs shared by plain and speculative decoding; the lossless
+                    acceptance rules (accept min(1, p/q), residual norm(max(0, p - q)), multi-candidate)
+    tree.py         draft trees as flat tensors: top-m selection, ancestor masks, position ids
+    drafting.py     Eagle3Drafter catch-up, chain drafting, EAGLE-2 dynamic tree drafting
+    target.py       HF CausalLM forward with feature taps and tree masks; KV surgery (keep_kv)
+    spec_decode.py  SpeculativeDecoder.generate and plain_generate (token ids only), GenerationRecord
+    metrics.py      τ pooled / per request, α_n, accepted-length histogram
+    budget.py       choose_total_tokens: time the target to pick the verify budget m
+    prompts.py      MT-bench preset / JSONL prompts, chat rendering
+    run.py          the eval run behind launch/eval.py: report.json, plots, summary
+    peers.py        transformers' prompt-lookup assisted decoding as a peer baseline
+    testing.py      tiny targets / drafters and the rank goodness-of-fit test used by tests
+"""

@@ -1,0 +1,218 @@
+"""End-to-end evaluation: load target + exported drafter, decode prompts speculatively and plainly, report.
+
+Every generated turn is one "request" (τ per request, samples). Speedup = tokens/s of speculative
+decoding / tokens/s of plain decoding, same target, prompts, max_new_tokens, machine and run
+(method.md §6). The verify budget m (total_tokens) is reported next to it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from eval import metrics
+from eval.budget import choose_total_tokens
+from eval.config import EvalConfig
+from eval.prompts import load_prompts, render
+from eval.sampling import SamplingParams
+from eval.spec_decode import GenerationRecord, SpecSettings, SpeculativeDecoder, plain_generate
+from eval.target import TargetRunner
+
+
+def stop_token_ids(model, tokenizer, template_kwargs: dict | None = None) -> tuple[int, ...]:
+    """EOS ids: the generation config's, the tokenizer's, and the chat template's end-of-turn token."""
+    ids: list[int] = []
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for src in (gen_eos, tokenizer.eos_token_id):
+        if src is None:
+            continue
+        ids.extend(src if isinstance(src, (list, tuple)) else [src])
+    try:
+        from data_prep.chat import end_of_turn
+
+        eot = end_of_turn(tokenizer, template_kwargs=template_kwargs)
+    except (ImportError, ValueError):
+        eot = None
+    if eot:
+        eot_ids = tokenizer.convert_tokens_to_ids([eot])
+        if eot_ids and eot_ids[0] is not None and eot_ids[0] != tokenizer.unk_token_id:
+            ids.append(eot_ids[0])
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def load_drafter(export_dir: str, target_model, device: str, dtype: torch.dtype):
+    from models.export import load_export
+
+    embed = target_model.get_input_embeddings().weight
+    text_cfg = target_model.config.get_text_config()
+    drafter = load_export(export_dir, embed_weight=embed.detach().cpu(),
+                          target_num_layers=int(text_cfg.num_hidden_layers), dtype=dtype)
+    drafter = drafter.to(device=device).eval().requires_grad_(False)
+    if drafter.cfg.vocab_size != embed.shape[0]:
+        raise ValueError(f"drafter vocab_size {drafter.cfg.vocab_size} != target vocab {embed.shape[0]}: "
+                         "the drafter was trained for another target")
+    tgt_h = drafter.cfg.target_hidden_size or drafter.cfg.hidden_size
+    if tgt_h != text_cfg.hidden_size:
+        raise ValueError(f"drafter expects target hidden size {tgt_h}, target has {text_cfg.hidden_size}")
+    return drafter
+
+
+def _rate(records: list[GenerationRecord]) -> float:
+    seconds = sum(r.time_s for r in records)
+    return sum(len(r.output_ids) for r in records) / seconds if seconds > 0 else float("nan")
+
+
+def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    from data_prep.targets import load_target, model_path, resolve_target
+
+    cfg.validate()
+    d = cfg.decode
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    preset = resolve_target(cfg.target)
+    model, tokenizer = load_target(preset, dtype=cfg.dtype, device=device)
+    drafter = load_drafter(cfg.drafter, model, device, next(model.parameters()).dtype)
+    runner = TargetRunner(model, drafter.cfg.aux_layer_ids)
+    template_kwargs = {} if preset.enable_thinking is None else {"enable_thinking": preset.enable_thinking}
+    eos = stop_token_ids(model, tokenizer, template_kwargs)
+    params = SamplingParams(d.temperature, d.top_p, d.top_k)
+    records_in = load_prompts(cfg.prompts, limit=d.num_prompts if d.num_prompts > 0 else None,
+                              max_turns=d.max_turns if d.max_turns > 0 else None)
+
+    total_tokens, timings = d.total_tokens, None
+    if d.mode == "tree" and d.auto_total_tokens:
+        total_tokens, timings = choose_total_tokens(runner, list(d.total_tokens_candidates), d.auto_tolerance)
+    settings = SpecSettings(d.mode, d.depth, d.topk, total_tokens, d.sample_drafts)
+    decoder = SpeculativeDecoder(runner, drafter, settings)
+
+    if cfg.warmup:  # first calls pay one-off allocation / kernel selection costs
+        ids = render(tokenizer, [{"role": "user", "content": records_in[0].turns[0]}], template_kwargs)
+        decoder.generate(ids, min(8, d.max_new_tokens), params, eos, torch.Generator().manual_seed(0))
+        if cfg.baseline:
+            plain_generate(runner, ids, min(8, d.max_new_tokens), params, eos, torch.Generator().manual_seed(0))
+
+    spec_recs: list[GenerationRecord] = []
+    base_recs: list[GenerationRecord] = []
+    peer = {"tokens": 0, "seconds": 0.0, "hf_tokens": 0, "hf_seconds": 0.0}
+    samples = []
+    bar = tqdm(records_in, desc=f"eval {d.mode}", unit="prompt", disable=not progress)
+    for rec in bar:
+        messages: list[dict] = []
+        for turn_idx, turn in enumerate(rec.turns):
+            messages.append({"role": "user", "content": turn})
+            ids = render(tokenizer, messages, template_kwargs)
+            seed = d.seed + len(samples)
+            spec = decoder.generate(ids, d.max_new_tokens, params, eos, torch.Generator().manual_seed(seed))
+            spec_recs.append(spec)
+            sample = {"id": rec.id, "turn": turn_idx, "prompt_token_ids": ids, "output_token_ids": spec.output_ids,
+                      "tau": metrics.tau_of(spec.accept_lengths)}
+            if cfg.baseline:
+                base = plain_generate(runner, ids, d.max_new_tokens, params, eos, torch.Generator().manual_seed(seed))
+                base_recs.append(base)
+                sample["baseline_output_token_ids"] = base.output_ids
+            if cfg.prompt_lookup:
+                from eval.peers import hf_generate
+
+                out, sec = hf_generate(model, ids, d.max_new_tokens, params, eos, cfg.prompt_lookup_num_tokens, seed)
+                peer["tokens"] += len(out)
+                peer["seconds"] += sec
+                out, sec = hf_generate(model, ids, d.max_new_tokens, params, eos, None, seed)
+                peer["hf_tokens"] += len(out)
+                peer["hf_seconds"] += sec
+            samples.append(sample)
+            # The next turn follows the model's own answer (MT-bench's protocol).
+            messages.append({"role": "assistant",
+                             "content": tokenizer.decode(spec.output_ids, skip_special_tokens=True)})
+        bar.set_postfix(tau=f"{metrics.tau_pooled(spec_recs):.2f}")
+
+    summary = metrics.summarize(spec_recs, d.depth)
+    spec_rate = _rate(spec_recs)
+    base_rate = _rate(base_recs) if base_recs else float("nan")
+    report = {
+        "target": preset.name,
+        "target_path": model_path(preset),
+        "drafter": cfg.drafter,
+        "prompts": cfg.prompts,
+        "num_prompts": len(records_in),
+        "num_requests": len(spec_recs),
+        "stop_token_ids": list(eos),
+        "device": device,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "decode": {**asdict(d), "total_tokens": total_tokens, "total_tokens_timings_s": timings},
+        "tau_definition": "(accepted drafts + 1 bonus) per verify forward; prefill and budget cut excluded",
+        **summary,
+        "tokens_per_s": {"speculative": spec_rate, "baseline": base_rate},
+        "speedup": spec_rate / base_rate if base_recs else None,
+    }
+    if base_recs:
+        same = sum(s.output_ids == b.output_ids for s, b in zip(spec_recs, base_recs))
+        report["outputs_identical_to_baseline"] = {"count": same, "of": len(base_recs),
+                                                   "expected_all": params.greedy}
+    if cfg.prompt_lookup:
+        pl_rate = peer["tokens"] / peer["seconds"] if peer["seconds"] else float("nan")
+        hf_rate = peer["hf_tokens"] / peer["hf_seconds"] if peer["hf_seconds"] else float("nan")
+        report["prompt_lookup"] = {
+            "num_tokens": cfg.prompt_lookup_num_tokens,
+            "tokens_per_s": pl_rate,
+            "speedup": pl_rate / base_rate if base_recs else None,
+            "hf_generate_plain_tokens_per_s": hf_rate,
+            "speedup_vs_hf_generate_plain": pl_rate / hf_rate,
+        }
+    report["samples"] = samples
+    write_report(report, Path(cfg.out_dir), cfg.plots)
+    return report
+
+
+def _json_safe(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def write_report(report: dict, out_dir: Path, plots: bool = True) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "report.json"
+    path.write_text(json.dumps(_json_safe(report), indent=1))
+    if plots:
+        from eval.plots import plot_accept_histogram, plot_per_position
+
+        d = report["decode"]
+        label = f"{d['mode']} depth={d['depth']} m={d['total_tokens']} T={d['temperature']}"
+        plot_per_position(report["per_position_acceptance"], out_dir / "per_position_acceptance.png", label)
+        plot_accept_histogram(report["accept_length_histogram"], out_dir / "accept_length_histogram.png",
+                              f"{label}  τ={report['tau_pooled']:.2f}")
+    return path
+
+
+def format_summary(report: dict) -> str:
+    d = report["decode"]
+    tps = report["tokens_per_s"]
+    lines = [
+        f"target={report['target']}  drafter={report['drafter']}  prompts={report['prompts']} "
+        f"({report['num_prompts']} prompts, {report['num_requests']} turns)",
+        f"decode: mode={d['mode']} depth={d['depth']} topk={d['topk']} total_tokens(m)={d['total_tokens']} "
+        f"T={d['temperature']} max_new_tokens={d['max_new_tokens']}",
+        f"tau pooled={report['tau_pooled']:.3f}  tau per-request mean={report['tau_per_request_mean']:.3f}",
+        "alpha_n: " + " ".join("n/a" if a is None else f"{a:.2f}" for a in report["per_position_acceptance"]),
+        f"tokens/s: speculative={tps['speculative']:.1f} baseline={tps['baseline']:.1f}  "
+        f"speedup={report['speedup'] if report['speedup'] is None else round(report['speedup'], 3)} (m={d['total_tokens']})",
+    ]
+    if "outputs_identical_to_baseline" in report:
+        o = report["outputs_identical_to_baseline"]
+        lines.append(f"outputs identical to baseline: {o['count']}/{o['of']}")
+    if "prompt_lookup" in report:
+        p = report["prompt_lookup"]
+        lines.append(f"prompt lookup (HF): {p['tokens_per_s']:.1f} tok/s, speedup {p['speedup']}, "
+                     f"vs HF plain generate {p['speedup_vs_hf_generate_plain']:.3f}")
+    return "\n".join(lines)

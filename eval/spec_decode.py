@@ -1,0 +1,207 @@
+"""Speculative decoding on token ids (EAGLE-3 drafter + HF target), and the plain baseline.
+
+Batch 1, knows nothing about tokenization. One step = draft (chain or dynamic tree) -> ONE target
+forward over [root | drafted nodes] with a tree mask -> accept a path (greedy or lossless sampling,
+eval/sampling.py) -> keep only the accepted path's K/V -> feed the accepted tokens' target features
+to the drafter. Output is cut at max_new_tokens / EOS exactly where plain decoding would stop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from eval import sampling
+from eval.drafting import catch_up, draft_chain, draft_tree
+from eval.sampling import SamplingParams
+from eval.target import TargetRunner, keep_kv
+from eval.tree import DraftTree, tree_attention_allowed
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    mode: str = "tree"  # "tree" | "chain"
+    depth: int = 6  # tree levels = most draft tokens one step can accept (chain: K)
+    topk: int = 8  # tree only
+    total_tokens: int = 60  # tree only: drafted nodes verified per step (the block is this + the root)
+    sample_drafts: bool = False  # chain only, T > 0: draw drafts from the drafter (q) instead of its argmax
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("tree", "chain"):
+            raise ValueError(f"mode must be 'tree' or 'chain', got {self.mode!r}")
+        if self.depth < 1 or self.topk < 1 or self.total_tokens < 1:
+            raise ValueError("depth, topk and total_tokens must be >= 1")
+
+
+@dataclass
+class GenerationRecord:
+    """One generate call. verify_forwards / accept_lengths / per-depth counts are empty for plain decoding."""
+
+    prompt_len: int
+    output_ids: list[int]
+    stop_reason: str  # "eos" | "length"
+    time_s: float
+    target_forwards: int  # including the prefill
+    accept_lengths: list[int] = field(default_factory=list)  # accepted DRAFT tokens per verify forward
+    depth_attempts: list[int] = field(default_factory=list)  # [n]: steps that reached draft depth n
+    depth_accepts: list[int] = field(default_factory=list)  # [n]: ... and accepted the draft at depth n
+
+    @property
+    def verify_forwards(self) -> int:
+        return len(self.accept_lengths)
+
+
+def _finish(out: list[int], new: list[int], max_new_tokens: int, eos: frozenset[int]) -> str | None:
+    """Append `new` to `out`, stopping after an EOS or at the budget; return the stop reason if stopped."""
+    for x in new:
+        out.append(x)
+        if x in eos:
+            return "eos"
+        if len(out) >= max_new_tokens:
+            return "length"
+    return None
+
+
+@torch.no_grad()
+def plain_generate(
+    target: TargetRunner,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    params: SamplingParams,
+    eos_token_ids: tuple[int, ...] = (),
+    generator: torch.Generator | None = None,
+) -> GenerationRecord:
+    """The baseline: one target forward per token, KV cache, the same token choice as speculation."""
+    if max_new_tokens < 1 or not prompt_ids:
+        raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
+    t0 = time.perf_counter()
+    eos = frozenset(eos_token_ids)
+    cache = target.new_cache()
+    out: list[int] = []
+    logits = target.forward(prompt_ids, cache, want_taps=False).logits[-1]
+    forwards = 1
+    while True:
+        stop = _finish(out, [sampling.next_token(logits, params, generator)], max_new_tokens, eos)
+        if stop:
+            break
+        logits = target.forward([out[-1]], cache, want_taps=False).logits[-1]
+        forwards += 1
+    return GenerationRecord(len(prompt_ids), out, stop, time.perf_counter() - t0, forwards)
+
+
+def accept_path(
+    tree: DraftTree, logits: Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[list[int], int]:
+    """Walk the verified tree from the root. Returns (accepted block indices incl. root 0, bonus token).
+
+    Greedy: follow the child equal to the target's argmax. Sampling: at each node try its children with
+    the lossless multi-candidate rule; the bonus comes from the (residual) target distribution.
+    """
+    children = tree.children()
+    tokens = tree.tokens.tolist()
+    path, cur = [0], 0
+    while True:
+        kids = children[cur]
+        if params.greedy:
+            best = int(logits[cur].argmax().item())
+            nxt = next((c for c in kids if tokens[c] == best), None)
+            if nxt is None:
+                return path, best
+        else:
+            p = sampling.target_probs(logits[cur], params).cpu()
+            if not kids:
+                return path, sampling.sample(p, generator)
+            qs = [tree.q[c] if tree.q is not None else None for c in kids]
+            verdict = sampling.verify_candidates(p, [tokens[c] for c in kids], qs, generator)
+            if verdict.accepted_child is None:
+                return path, sampling.sample(verdict.residual, generator)
+            nxt = kids[verdict.accepted_child]
+        path.append(nxt)
+        cur = nxt
+
+
+class SpeculativeDecoder:
+    def __init__(self, target: TargetRunner, drafter, settings: SpecSettings):
+        self.target = target
+        self.drafter = drafter
+        self.settings = settings
+        self.target_cache = None  # kept after generate() so tests can compare it with a fresh prefill
+        self.drafter_cache = None
+
+    def _draft(self, root_out: Tensor, root: int, n: int, params: SamplingParams, gen) -> DraftTree:
+        s = self.settings
+        if s.mode == "chain":
+            return draft_chain(
+                self.drafter, self.drafter_cache, root_out, root, n, s.depth,
+                params if s.sample_drafts else None, gen,
+            )
+        return draft_tree(self.drafter, self.drafter_cache, root_out, root, n, s.depth, s.topk, s.total_tokens)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        generator: torch.Generator | None = None,
+    ) -> GenerationRecord:
+        from models.attention import DecodeCache
+
+        if max_new_tokens < 1 or not prompt_ids:
+            raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
+        t0 = time.perf_counter()
+        eos = frozenset(eos_token_ids)
+        depth = self.settings.depth
+        rec = GenerationRecord(len(prompt_ids), [], "length", 0.0, 0, [], [0] * depth, [0] * depth)
+        device = self.target.device
+        self.target_cache = cache = self.target.new_cache()
+        self.drafter_cache = DecodeCache()
+
+        pre = self.target.forward(prompt_ids, cache)
+        rec.target_forwards += 1
+        root = sampling.next_token(pre.logits[-1], params, generator)
+        stop = _finish(rec.output_ids, [root], max_new_tokens, eos)
+        n = len(prompt_ids)  # tokens in the target's KV cache; root sits at position n
+        if stop is None:
+            next_ids = torch.tensor([*prompt_ids[1:], root], device=device)
+            root_out = catch_up(self.drafter, self.drafter_cache, self._taps(pre.taps), next_ids, 0)
+        while stop is None:
+            tree = self._draft(root_out, root, n, params, generator)
+            allowed = tree_attention_allowed(tree.parents, n)
+            ver = self.target.forward(tree.tokens, cache, tree.position_ids(n), allowed)
+            rec.target_forwards += 1
+            path, bonus = accept_path(tree, ver.logits, params, generator)
+            self._count(rec, tree, path)
+            keep_kv(cache, n, torch.tensor(path))
+            accepted = tree.tokens[path[1:]].tolist()
+            stop = _finish(rec.output_ids, [*accepted, bonus], max_new_tokens, eos)
+            if stop is not None:
+                break
+            self.drafter_cache.truncate(n)  # drop the drafted nodes: their features were the drafter's own
+            next_ids = torch.tensor([*accepted, bonus], device=device)
+            root_out = catch_up(self.drafter, self.drafter_cache, self._taps(ver.taps[path]), next_ids, n)
+            n += len(path)
+            root = bonus
+        rec.stop_reason = stop
+        rec.time_s = time.perf_counter() - t0
+        return rec
+
+    def _taps(self, taps: Tensor) -> Tensor:
+        w = self.drafter.fc.weight
+        return taps.to(device=w.device, dtype=w.dtype)
+
+    @staticmethod
+    def _count(rec: GenerationRecord, tree: DraftTree, path: list[int]) -> None:
+        """Accepted length and per-depth attempts/accepts (depth n attempted iff the path reached a node
+        with children at depth n, i.e. all drafts before it were accepted)."""
+        rec.accept_lengths.append(len(path) - 1)
+        children = tree.children()
+        for n, node in enumerate(path):
+            if n < len(rec.depth_attempts) and children[node]:
+                rec.depth_attempts[n] += 1
+                if n + 1 < len(path):
+                    rec.depth_accepts[n] += 1

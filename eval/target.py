@@ -1,0 +1,114 @@
+"""The target side of decoding: an HF CausalLM forward that also returns the drafter's feature taps,
+and KV-cache surgery that keeps only the committed tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class TargetOutput:
+    logits: Tensor  # [T, V] (batch 1 squeezed)
+    taps: Tensor | None  # [T, n_taps * H] hidden states after the tap layers, concatenated in tap order
+
+
+class TargetRunner:
+    """Wraps a transformers CausalLM for batch-1 decoding with an explicit cache, positions and mask."""
+
+    def __init__(self, model, tap_layers: list[int] | None = None):
+        self.model = model
+        self.tap_layers = list(tap_layers) if tap_layers is not None else None
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        text = model.config.get_text_config()
+        num_layers = int(text.num_hidden_layers)
+        for i in self.tap_layers or []:
+            if not 0 <= i < num_layers:
+                raise ValueError(f"tap layer {i} outside the target's {num_layers} decoder layers")
+        # Hybrid targets (gpt-oss, Qwen2 with sliding layers) take a {layer type: mask} dict for custom masks.
+        layer_types = list(getattr(text, "layer_types", None) or [])
+        self.sliding_window: int | None = (
+            int(text.sliding_window) if "sliding_attention" in layer_types and text.sliding_window else None
+        )
+
+    def new_cache(self):
+        """A cache of full layers only: a sliding-window layer drops old keys that tree verification and
+        keep_kv address by absolute position (the window is enforced by the mask instead)."""
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    def tree_mask(self, allowed: Tensor, position_ids: Tensor):
+        """bool [Tq, past + Tq] (True = may attend; the cache holds positions 0..past-1) -> the model's
+        attention_mask: a 4D additive mask, or a per-layer-type dict of them for hybrid targets."""
+        from eval.tree import additive_mask
+
+        impl = getattr(self.model.config, "_attn_implementation", None)
+        if impl not in ("eager", "sdpa"):
+            # flash-attention kernels take no arbitrary mask: the tree mask would be silently dropped
+            raise ValueError(f"tree verification needs the target loaded with attn_implementation 'sdpa' or "
+                             f"'eager' (got {impl!r})")
+        full = additive_mask(allowed, self.dtype, self.device)
+        if self.sliding_window is None:
+            return full
+        past = allowed.shape[1] - allowed.shape[0]
+        q_pos = position_ids.reshape(-1).cpu()
+        k_pos = torch.cat([torch.arange(past), q_pos])
+        in_window = (q_pos[:, None] - k_pos[None, :]) < self.sliding_window  # HF: kv > q - window
+        return {"full_attention": full,
+                "sliding_attention": additive_mask(allowed & in_window, self.dtype, self.device)}
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: list[int] | Tensor,
+        cache,
+        position_ids: Tensor | None = None,
+        allowed: Tensor | None = None,
+        want_taps: bool = True,
+    ) -> TargetOutput:
+        """Appends the new tokens' K/V to `cache`. allowed: None (causal) or bool [T, past + T] (tree mask)."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(1, -1)
+        pos = None if position_ids is None else position_ids.to(self.device).reshape(1, -1)
+        mask = None
+        if allowed is not None:
+            if position_ids is None:
+                raise ValueError("a tree mask needs explicit position ids")
+            mask = self.tree_mask(allowed, position_ids)
+        want_taps = want_taps and self.tap_layers is not None
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=want_taps,
+        )
+        taps = None
+        if want_taps:
+            # HF hidden_states[0] is the embedding output, so decoder layer i's output is entry i + 1.
+            taps = torch.cat([out.hidden_states[i + 1][0] for i in self.tap_layers], dim=-1)
+        return TargetOutput(logits=out.logits[0], taps=taps)
+
+
+def keep_kv(cache, prefix_len: int, new_indices: Tensor) -> None:
+    """Keep cache positions [0, prefix_len) plus prefix_len + new_indices, in that order; drop the rest.
+
+    After a verify forward the cache holds the whole drafted block; only the accepted path survives.
+    Works on full-attention DynamicCache layers (keys/values [B, heads, T, D]), as TargetRunner.new_cache makes.
+    """
+    idx = new_indices.to(torch.long)
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys"):
+            raise NotImplementedError(f"keep_kv supports full-attention DynamicCache layers, got {type(layer)}")
+        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
+            continue
+        sel = torch.cat([torch.arange(prefix_len), prefix_len + idx]).to(layer.keys.device)
+        if sel.numel() == layer.keys.shape[-2] and bool((sel == torch.arange(sel.numel(), device=sel.device)).all()):
+            continue  # already exactly the kept positions
+        layer.keys = layer.keys.index_select(-2, sel)
+        layer.values = layer.values.index_select(-2, sel)

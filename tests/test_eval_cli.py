@@ -1,0 +1,133 @@
+"""launch/eval.py end to end on a tiny target (real SmolLM2 tokenizer + chat template), prompts, config."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eval.prompts import load_prompts
+
+pytest.importorskip("models.eagle3")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_mtbench_preset_has_80_two_turn_questions() -> None:
+    recs = load_prompts("mtbench")
+    assert len(recs) == 80 and all(len(r.turns) == 2 for r in recs)
+    assert len({r.id for r in recs}) == 80 and recs[0].category
+    assert len(load_prompts("mtbench", limit=3, max_turns=1)) == 3
+    assert load_prompts("mtbench", limit=3, max_turns=1)[0].turns == recs[0].turns[:1]
+
+
+def test_jsonl_prompts(tmp_path) -> None:
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": "a", "turns": ["hi", "more"]}\n\n{"prompt": "solo"}\n')
+    recs = load_prompts(str(f))
+    assert [(r.id, r.turns) for r in recs] == [("a", ["hi", "more"]), ("3", ["solo"])]
+    f.write_text('{"text": "no turns"}\n')
+    with pytest.raises(ValueError, match="turns"):
+        load_prompts(str(f))
+    with pytest.raises(FileNotFoundError):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+
+
+def test_config_rejects_unknown_keys_and_missing_drafter() -> None:
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import MissingMandatoryValue
+
+    from eval.config import EvalConfig, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf" / "eval"), version_base="1.3"):
+        with pytest.raises(ConfigCompositionException):
+            compose("eval", overrides=["drafter=x", "out_dir=y", "decode.bogus=1"])
+        with pytest.raises(ConfigCompositionException):
+            compose("eval", overrides=["drafter=x", "out_dir=y", "decode.depth=deep"])
+        cfg = compose("eval", overrides=["drafter=x", "out_dir=y", "decode.mode=chain", "decode.temperature=0.7"])
+        obj: EvalConfig = OmegaConf.to_object(cfg)
+        assert obj.decode.mode == "chain" and obj.decode.temperature == 0.7 and obj.prompts == "mtbench"
+        with pytest.raises(MissingMandatoryValue):
+            OmegaConf.to_object(compose("eval", overrides=["out_dir=y"]))
+    bad = EvalConfig(drafter="x", out_dir="y")
+    bad.decode.mode = "beam"
+    with pytest.raises(ValueError, match="mode"):
+        bad.validate()
+
+
+@pytest.fixture(scope="module")
+def exported_drafter(tmp_path_factory, tiny_target_dir: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    from eval.testing import tiny_drafter
+    from models.export import save_export
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    ids = sorted(torch.randperm(target.config.vocab_size, generator=g)[:256].tolist())
+    drafter = tiny_drafter(target, aux_layer_ids=[0, 2, 4], draft_token_ids=ids)
+    out = tmp_path_factory.mktemp("export")
+    save_export(drafter, out, dtype=torch.float32)
+    return out
+
+
+def test_launch_eval_writes_report(tmp_path, tiny_target_dir: Path, exported_drafter: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "q1", "turns": ["What is 2 + 2?", "And 3 + 3?"]}) + "\n"
+                       + json.dumps({"id": "q2", "prompt": "Name a colour."}) + "\n"
+                       + json.dumps({"id": "q3", "prompt": "Not evaluated (num_prompts=2)."}) + "\n")
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(REPO / "launch" / "eval.py"), f"drafter={exported_drafter}",
+           f"target={tiny_target_dir}", f"prompts={prompts}", f"out_dir={out}", "dtype=float32",
+           "decode.mode=tree", "decode.temperature=0", "decode.max_new_tokens=12", "decode.num_prompts=2",
+           "decode.depth=3", "decode.topk=2", "decode.total_tokens=5", "prompt_lookup=true", "threads=1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "speedup=" in res.stdout and "tau pooled=" in res.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["num_prompts"] == 2 and report["num_requests"] == 3
+    d = report["decode"]
+    assert (d["mode"], d["depth"], d["topk"], d["total_tokens"], d["temperature"]) == ("tree", 3, 2, 5, 0.0)
+    assert len(report["per_position_acceptance"]) == 3
+    assert 1.0 <= report["tau_pooled"] <= 4.0 and 1.0 <= report["tau_per_request_mean"] <= 4.0
+    assert report["tokens_per_s"]["speculative"] > 0 and report["tokens_per_s"]["baseline"] > 0
+    assert report["speedup"] > 0 and report["prompt_lookup"]["tokens_per_s"] > 0
+    samples = report["samples"]
+    assert [(s["id"], s["turn"]) for s in samples] == [("q1", 0), ("q1", 1), ("q2", 0)]
+    assert all(1 <= len(s["output_token_ids"]) <= 12 for s in samples)
+    # the second turn's prompt contains the first turn's prompt (it follows the model's own answer)
+    assert len(samples[1]["prompt_token_ids"]) > len(samples[0]["prompt_token_ids"]) + len(samples[0]["output_token_ids"]) - 2
+    # greedy in float32: speculative output is the plain output
+    assert report["outputs_identical_to_baseline"]["count"] == 3
+    assert all(s["output_token_ids"] == s["baseline_output_token_ids"] for s in samples)
+    for png in ("per_position_acceptance.png", "accept_length_histogram.png"):
+        assert (out / png).stat().st_size > 1000
+
+
+def test_run_eval_in_process_sampling_auto_budget(tmp_path, tiny_target_dir: Path, exported_drafter: Path) -> None:
+    """Other branches: tree with the verify budget chosen by timing, T > 0, no baseline, no plots."""
+    from eval.config import DecodeConfig, EvalConfig
+    from eval.run import format_summary, run_eval
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Hello there"}) + "\n")
+    cfg = EvalConfig(drafter=str(exported_drafter), target=str(tiny_target_dir), prompts=str(prompts),
+                     out_dir=str(tmp_path / "o"), dtype="float32", baseline=False, plots=False, warmup=False,
+                     decode=DecodeConfig(mode="tree", depth=2, topk=2, auto_total_tokens=True,
+                                         total_tokens_candidates=[2, 3], temperature=0.8, top_p=0.9,
+                                         max_new_tokens=6))
+    report = run_eval(cfg, progress=False)
+    assert report["decode"]["total_tokens"] in (2, 3)
+    assert set(report["decode"]["total_tokens_timings_s"]) == {0, 2, 3}
+    assert report["speedup"] is None and "outputs_identical_to_baseline" not in report
+    assert len(report["samples"]) == 1 and 1 <= len(report["samples"][0]["output_token_ids"]) <= 6
+    saved = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert saved["tokens_per_s"]["baseline"] is None  # NaN is written as null
+    assert not (tmp_path / "o" / "per_position_acceptance.png").exists()
+    assert "speedup=None" in format_summary(report)
