@@ -18,7 +18,12 @@ NUM_SAMPLES ?= 200
 OUT ?= outputs
 PREP_DIR ?= $(OUT)/prep/$(MODEL)
 RUN_DIR ?= $(OUT)/runs/demo
+EXP ?= eagle3_ttt
 ARGS ?=
+# What `make demo` runs: the embedded target, 2 processes, ~30 minutes on 2 CPU cores in all.
+DEMO_PREP_ARGS ?= max_length=1024
+DEMO_EVAL_ARGS ?= decode.mode=tree decode.temperature=0 decode.num_prompts=10 decode.max_new_tokens=128 \
+	decode.auto_total_tokens=true threads=2
 
 .PHONY: setup prep train export eval demo test lint bench-prep bench-train bench-long engine-check clean
 
@@ -38,7 +43,7 @@ prep: setup
 		model=$(MODEL) data=$(DATA) num_samples=$(NUM_SAMPLES) out=$(PREP_DIR) $(ARGS)
 
 train: setup
-	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) launch/train.py +exp=eagle3_ttt \
+	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) launch/train.py +exp=$(EXP) \
 		data.dir=$(PREP_DIR) out_dir=$(RUN_DIR) $(ARGS)
 
 export: setup
@@ -48,9 +53,10 @@ eval: setup
 	$(BIN)/python launch/eval.py drafter=$(RUN_DIR)/export target=$(MODEL) out_dir=$(RUN_DIR)/eval $(ARGS)
 
 demo: setup
-	$(MAKE) prep
-	$(MAKE) train
-	$(MAKE) eval
+	$(MAKE) prep ARGS="$(DEMO_PREP_ARGS)"
+	$(MAKE) train EXP=eagle3_demo
+	$(MAKE) eval ARGS="$(DEMO_EVAL_ARGS)"
+	$(BIN)/python -m eval.demo_summary $(PREP_DIR) $(RUN_DIR)
 
 test: setup
 	$(BIN)/pytest -q -x --durations=15 tests

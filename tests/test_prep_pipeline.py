@@ -121,21 +121,20 @@ def test_compact_teachers_match_target_logits(tmp_path, tiny_target_dir, tiny_sh
             torch.testing.assert_close(s.teacher_topk_logits.float(), chosen, atol=0.02, rtol=0.01)
 
 
-def test_real_embedded_target_taps_equal_hidden_states(tmp_path, smollm2_dir, tiny_sharegpt_file) -> None:
+def test_real_embedded_target_taps_equal_hidden_states(smollm2_prep_dir: Path) -> None:
     """Regenerate with the real SmolLM2, capture, and compare with a plain output_hidden_states forward."""
     from data_prep.targets import load_target, resolve_target
 
-    out = tmp_path / "real"
-    summary = run_prep(out, "smollm2-135m-instruct", str(tiny_sharegpt_file), num_samples=4, eval_samples=1,
-                       draft_vocab_size=32000, **{"regen.max_new_tokens": 24, "regen.batch_size": 4})
+    out = smollm2_prep_dir
+    summary = json.loads((out / "summary.json").read_text())
     regen = [json.loads(line) for f in ("train.r0.jsonl", "eval.r0.jsonl")
              for line in (out / "regen" / f).read_text().splitlines()]
-    assert len(regen) == 5 and all(r["status"] == "ok" for r in regen)
+    assert len(regen) == 12 and all(r["status"] == "ok" for r in regen)
     preset = resolve_target("smollm2-135m-instruct")
     model, _ = load_target(preset)
     samples = samples_by_id(out / "train")
-    assert len(samples) == summary["samples"]["train"] == 4
-    for s in samples.values():
+    assert len(samples) == summary["samples"]["train"] == 10
+    for s in list(samples.values())[:4]:
         hs = model(s.input_ids[None], output_hidden_states=True).hidden_states
         for j, layer in enumerate(preset.tap_layers):
             want = hs[layer + 1][0]  # entry 0 is the embedding output

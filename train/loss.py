@@ -2,10 +2,13 @@
 
 Memory, not FLOPs, limits long-context training: one 40K-token sequence's full-vocab logits are
 tens of GB. So everything vocabulary-sized is built for `chunk_size` target positions at a time
-(flattened over the batch), and each chunk runs under activation checkpointing: backward
-recomputes the chunk's teacher and draft logits instead of keeping them. A chunk covers one set of
-target positions j for ALL TTT steps, so the (expensive, full-vocab) teacher is computed once per
-chunk and shared by the K steps that predict p_j.
+(flattened over the batch). A chunk covers one set of target positions j for ALL TTT steps, so the
+(expensive, full-vocab) teacher is computed once per chunk and shared by the K steps that predict p_j.
+Two implementations of the same loss:
+- `fused_terms` (training default, for drafters whose logits are lm_head(norm(h))): per chunk and
+  step, the logits once and the CE's gradients right away, no recompute (see its section below);
+- `chunked_terms`: plain autograd, each chunk activation-checkpointed (backward recomputes the
+  chunk's teacher and draft logits); any `compute_logits`, and the reference for the fused path.
 
 Teacher kinds (method.md §4.3):
 - "hidden": p_j = softmax(head.logits(teacher_hidden_j)) over the full vocab V. Its argmax decides
@@ -58,6 +61,13 @@ class TeacherRows:
     topk_ids: Tensor | None = None  # int64 [N, k]
     topk_logits: Tensor | None = None  # [N, k]
     argmax: Tensor | None = None  # int64 [N]
+
+    def take(self, rows: slice) -> TeacherRows:
+        return TeacherRows(self.kind, **{
+            name: getattr(self, name)[rows]
+            for name in ("hidden", "topk_ids", "topk_logits", "argmax")
+            if getattr(self, name) is not None
+        })
 
     def split(self, size: int) -> list[TeacherRows]:
         parts = {
@@ -220,3 +230,194 @@ def chunked_terms(
         corrects.append(correct)
     assert totals is not None  # split() yields one (possibly empty) chunk even for N = 0
     return (*totals, torch.cat(valids, dim=1), torch.cat(corrects, dim=1))
+
+
+# ------------------------------------------------------------------------------------------------
+# Fused output head: CE + its gradients in ONE pass over the logits, no recompute.
+#
+# The autograd path above does 4 head matmuls per row and step (the logits in forward, again in the
+# checkpoint recompute, and the two of backward) and runs the teacher twice. `fused_terms` computes, per chunk
+# and step, the logits once and right away the CE's gradient w.r.t. them, (q·Σp̃ − p̃)·w, then the
+# two products that backward would have formed (w.r.t. the normed rows and the lm_head weight); the
+# logits are freed before the next step. Backward only scales the saved gradients by grad_output.
+# That is 3 matmuls per row and step instead of 4, the teacher once per chunk, and the norm's
+# backward done per chunk too, so nothing vocabulary-sized outlives its chunk.
+#
+# The price: the per-step loss weights w_k (decay^k / normalizer_k) must be known in forward, since
+# the lm_head gradient mixes the steps; one [Vd, H] fp32 accumulator holds it (not one per chunk).
+
+
+@dataclass
+class FusedSpec:
+    """The non-tensor inputs of `fused_terms` (one TTT loss: K steps over N target rows)."""
+
+    norm: nn.Module  # drafter.norm; called via .forward (no module hooks, see fused_terms)
+    head: nn.Module | None  # the frozen target head (the "hidden" teacher only)
+    rows: TeacherRows
+    reachable: Tensor  # bool [K, N]
+    maps: VocabMaps
+    chunk_size: int
+    scale: Tensor | None  # [K] loss weight of step k's CE sum; None: no loss/gradients (evaluation)
+
+
+def _row_ce_and_min_pq(logq: Tensor, target: Target) -> tuple[Tensor, Tensor, Tensor]:
+    """(−Σ p̃ log q, Σ min(p, q), q) per row; `logq` is consumed (exponentiated in place into q)."""
+    if target.ids is None:
+        ce = -torch.linalg.vecdot(target.p_tilde, logq)  # no [r, Vd] temporary, unlike (p * logq).sum(-1)
+        q = logq.exp_()
+        return ce, torch.minimum(target.p_draft, q).sum(-1), q
+    ce = -(target.p_tilde * logq.gather(-1, target.ids)).sum(-1)
+    q = logq.exp_()
+    return ce, torch.minimum(target.p_draft, q.gather(-1, target.ids)).sum(-1), q
+
+
+def _logits_grad_(q: Tensor, target: Target, p_sum: Tensor, coef: Tensor) -> Tensor:
+    """d(Σ_rows coef·CE_row)/d logits = coef·(q·Σp̃ − p̃), written into q (which is consumed)."""
+    q.mul_((coef * p_sum)[:, None])
+    if target.ids is None:
+        return q.addcmul_(target.p_tilde, coef[:, None], value=-1.0)
+    # scatter_add: padded sparse entries share id 0 with weight 0, duplicates must add.
+    return q.scatter_add_(-1, target.ids, target.p_tilde * -coef[:, None])
+
+
+def _subset(target: Target, idx: Tensor) -> Target:
+    pick = lambda x: None if x is None else x.index_select(0, idx)  # noqa: E731
+    return Target(pick(target.argmax), pick(target.in_vocab), pick(target.p_tilde), pick(target.p_draft),
+                  pick(target.ids))
+
+
+def _head_pass(
+    spec: FusedSpec, h: Tensor, weight: Tensor, norm_params: Sequence[Tensor], need: Sequence[bool]
+) -> tuple[Tensor, ...]:
+    """The fused forward. h: [K, N, H] un-normed rows; need = (h, weight, *norm_params) needs grad.
+
+    Returns (ce [K], acc [K], min_pq [K], valid [K, N], correct [K, N], grad_h, grad_weight,
+    *grad_norm_params); a gradient is None where not needed.
+    """
+    K, N, _ = h.shape
+    need_h, need_w, need_p = need[0], need[1], list(need[2:])
+    need_norm = need_h or any(need_p)
+    dev = h.device
+    ce = torch.zeros(K, device=dev)
+    acc = torch.zeros(K, dtype=torch.float64, device=dev)
+    min_pq = torch.zeros(K, dtype=torch.float64, device=dev)
+    valid = torch.zeros(K, N, dtype=torch.bool, device=dev)
+    correct = torch.zeros(K, N, dtype=torch.bool, device=dev)
+    grad_h = torch.zeros_like(h) if need_h else None
+    # fp32 accumulators: one [Vd, H], whatever the number of chunks (a bf16 sum would lose bits).
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_w else None
+    grad_p = [torch.zeros(p.shape, dtype=torch.float32, device=dev) if n else None
+              for p, n in zip(norm_params, need_p)]
+    w_t = weight.t()
+    for start in range(0, N, spec.chunk_size):
+        sl = slice(start, min(start + spec.chunk_size, N))
+        target = teacher_target(spec.head, spec.rows.take(sl), spec.maps)
+        mask = spec.reachable[:, sl] & target.in_vocab  # [K, c]
+        valid[:, sl] = mask
+        # Rows valid at no step (argmax outside the draft vocab) cost nothing further.
+        keep = mask.any(0).nonzero().squeeze(1)
+        if keep.numel() == 0:
+            continue
+        all_kept = keep.numel() == mask.shape[1]
+        if not all_kept:
+            target, mask = _subset(target, keep), mask[:, keep]
+        with torch.set_grad_enabled(need_norm):  # the norm's backward is taken right here, per chunk
+            h_in = h[:, sl].detach().requires_grad_(need_norm)
+            normed = spec.norm.forward(h_in)  # [K, c, H]
+        grad_normed = torch.zeros_like(normed) if need_norm else None
+        p_sum = target.p_tilde.sum(-1)
+        chunk_correct = torch.zeros(K, sl.stop - sl.start, dtype=torch.bool, device=dev)
+        for k in range(K):
+            x = normed[k].detach() if all_kept else normed[k].detach().index_select(0, keep)  # [r, H]
+            logits = (x @ w_t).float()  # [r, Vd]
+            top = logits.argmax(-1)
+            logq = torch.log_softmax(logits, -1)
+            del logits
+            ce_rows, min_pq_rows, q = _row_ce_and_min_pq(logq, target)
+            m = mask[k]
+            ce[k] += torch.where(m, ce_rows, 0.0).sum()
+            min_pq[k] += torch.where(m, min_pq_rows, 0.0).sum().double()
+            hit = (spec.maps.draft_to_target[top] == target.argmax) & m
+            acc[k] += hit.sum().double()
+            if all_kept:
+                chunk_correct[k] = hit
+            else:
+                chunk_correct[k].index_copy_(0, keep, hit)
+            if need_norm or need_w:
+                assert spec.scale is not None
+                d = _logits_grad_(q, target, p_sum, spec.scale[k] * m).to(weight.dtype)  # [r, Vd]
+                if need_norm:
+                    g = d @ weight  # [r, H]
+                    if all_kept:
+                        grad_normed[k] = g
+                    else:
+                        grad_normed[k].index_copy_(0, keep, g)
+                if need_w and d.dtype == grad_w.dtype:
+                    grad_w.addmm_(d.t(), x)
+                elif need_w:
+                    grad_w.add_(d.t() @ x)
+            del q
+        correct[:, sl] = chunk_correct
+        if need_norm:
+            wanted = [h_in] * need_h + [p for p, n in zip(norm_params, need_p) if n]
+            got = list(torch.autograd.grad(normed, wanted, grad_normed))
+            if need_h:
+                grad_h[:, sl] = got.pop(0)
+            for i, n in enumerate(need_p):
+                if n:
+                    grad_p[i] += got.pop(0)
+    cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
+    return (ce, acc, min_pq, valid, correct, grad_h, cast(grad_w, weight),
+            *(cast(g, p) for g, p in zip(grad_p, norm_params)))
+
+
+class _FusedHeadLoss(torch.autograd.Function):
+    """loss = Σ_k scale_k · CE_k with the gradients formed in forward; backward scales them."""
+
+    @staticmethod
+    def forward(ctx, spec: FusedSpec, h: Tensor, weight: Tensor, *norm_params: Tensor):
+        ce, acc, min_pq, valid, correct, *grads = _head_pass(
+            spec, h, weight, norm_params, ctx.needs_input_grad[1:]
+        )
+        assert spec.scale is not None
+        loss = (spec.scale.to(ce.dtype) * ce).sum()
+        ctx.save_for_backward(*grads)
+        ctx.mark_non_differentiable(ce, acc, min_pq, valid, correct)
+        return loss, ce, acc, min_pq, valid, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor, *_unused):
+        return None, *(None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors)
+
+
+def fused_terms(
+    norm: nn.Module,
+    weight: Tensor,
+    hiddens: Sequence[Tensor],
+    head: nn.Module | None,
+    rows: TeacherRows,
+    reachable: Tensor,
+    maps: VocabMaps,
+    chunk_size: int,
+    scale: Tensor | None,
+) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`chunked_terms` for a drafter whose logits are `F.linear(norm(h), weight)`, plus the loss.
+
+    Returns (loss, ce [K], acc [K], min_pq [K], valid [K, N], correct [K, N]); loss = Σ_k scale[k]·ce[k]
+    is the only differentiable output (w.r.t. hiddens, weight and norm's parameters), None when
+    `scale` is None. `norm` is run through `.forward`, not `__call__`, and `weight` is used directly:
+    no module hook fires per chunk, so the number of module calls does not depend on the data (ZeRO-3
+    must still keep these parameters gathered, which train/engine.py's keep_gathered does).
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    h = torch.stack(list(hiddens))  # [K, N, H]
+    spec = FusedSpec(norm, head, rows, reachable, maps, chunk_size, scale)
+    norm_params = list(norm.parameters())
+    inputs = (h, weight, *norm_params)
+    if scale is not None and torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        return _FusedHeadLoss.apply(spec, *inputs)
+    with torch.no_grad():
+        ce, acc, min_pq, valid, correct, *_ = _head_pass(spec, h, weight, norm_params, [False] * len(inputs))
+    loss = None if scale is None else (scale.to(ce.dtype) * ce).sum()
+    return loss, ce, acc, min_pq, valid, correct

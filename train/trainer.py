@@ -174,6 +174,8 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
     logger = MetricsLogger(cfg.logger, run_dir, rank, dataclasses.asdict(cfg), steps_total, step)
     window, last_eval, last_saved, eval_metrics = Window(t.ttt_steps), -1, step, None
     tokens_total = 0
+    if eval_data is not None and t.eval_interval and step == 0:
+        logger.log("eval", 0, evaluate(engine, module, head, eval_data, settings))  # the untrained baseline
     engine.train()
     while step < steps_total and (t.stop_after_steps is None or step < t.stop_after_steps):
         for batch in train_data.epoch(cursor.epoch, cursor.batch):

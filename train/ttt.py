@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from train.batch import PAD_ID, Batch
-from train.loss import VocabMaps, chunked_terms, gather_teacher, teacher_argmax
+from train.loss import VocabMaps, chunked_terms, fused_terms, gather_teacher, teacher_argmax
 
 SUM_KEYS = ("ce_sum", "acc_sum", "min_pq_sum", "n_valid_k")
 
@@ -35,7 +35,11 @@ class TTTSettings:
     steps: int = 7  # K: TTT unroll length
     decay: float = 0.8  # λ: step k's CE is weighted λ^k
     chunk_size: int = 1024  # target positions (flattened over the batch) per loss chunk
-    checkpoint_chunks: bool = True  # activation-checkpoint each loss chunk (recompute logits in backward)
+    # Fused output head (train/loss.py fused_terms): CE and its gradients in one pass over each chunk's
+    # logits, the teacher once, nothing recomputed. Used when the drafter's logits are lm_head(norm(h))
+    # (Eagle3Drafter); False, or another drafter, takes the autograd path below.
+    fused_head: bool = True
+    checkpoint_chunks: bool = True  # autograd path: checkpoint each loss chunk (recompute logits in backward)
     checkpoint_layer: bool = False  # activation-checkpoint the drafter layer of each TTT step
 
     def __post_init__(self) -> None:
@@ -113,16 +117,40 @@ def unroll(drafter: nn.Module, batch: Batch, settings: TTTSettings) -> list[Tens
     return outs
 
 
-def _terms(drafter: nn.Module, head: nn.Module, batch: Batch, settings: TTTSettings) -> dict[str, Tensor]:
+def output_head(drafter: nn.Module) -> tuple[nn.Module, Tensor] | None:
+    """(norm, lm_head weight) if drafter.compute_logits(h) is lm_head(norm(h)) with a bias-free lm_head."""
+    from models.eagle3 import Eagle3Drafter  # lazily, as new_ttt_cache
+
+    if getattr(type(drafter), "compute_logits", None) is not Eagle3Drafter.compute_logits:
+        return None  # e.g. a subclass with other logits: only the autograd path knows them
+    lm_head = drafter.lm_head
+    if not isinstance(lm_head, nn.Linear) or lm_head.bias is not None:
+        return None
+    return drafter.norm, lm_head.weight
+
+
+def _terms(
+    drafter: nn.Module, head: nn.Module, batch: Batch, settings: TTTSettings, scale: Tensor | None = None
+) -> dict[str, Tensor | None]:
+    """Per-step sums and [K, N] masks; with the fused head and `scale` ([K] weights of the CE sums)
+    also "loss" = Σ_k scale_k·ce_k, the differentiable output (else "loss" is None: use "ce")."""
     maps = VocabMaps.from_drafter(drafter)
     b_idx, j_idx, reachable = target_rows(batch, settings.steps)
     hiddens = unroll(drafter, batch, settings)
     rows = [h[b_idx, (j_idx - k - 1).clamp_min(0)] for k, h in enumerate(hiddens)]  # [N, H] per step
+    del hiddens
     teacher = gather_teacher(batch, b_idx, j_idx)
-    ce, acc, min_pq, valid, correct = chunked_terms(
-        drafter, head, rows, teacher, reachable, maps, settings.chunk_size, settings.checkpoint_chunks
-    )
-    return dict(ce=ce, acc=acc, min_pq=min_pq, valid=valid, correct=correct, b_idx=b_idx, j_idx=j_idx)
+    parts = output_head(drafter) if settings.fused_head else None
+    if parts is not None:
+        loss, ce, acc, min_pq, valid, correct = fused_terms(
+            *parts, rows, head, teacher, reachable, maps, settings.chunk_size, scale
+        )
+    else:
+        loss = None
+        ce, acc, min_pq, valid, correct = chunked_terms(
+            drafter, head, rows, teacher, reachable, maps, settings.chunk_size, settings.checkpoint_chunks
+        )
+    return dict(loss=loss, ce=ce, acc=acc, min_pq=min_pq, valid=valid, correct=correct, b_idx=b_idx, j_idx=j_idx)
 
 
 def _means(sums: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -143,12 +171,21 @@ def ttt_loss(
     (add them over batches/ranks, or use `reduce_metrics`), and this batch's means `loss_k`, `acc_k`,
     `min_pq_k` (over its own valid positions), plus `weights` = decay^k.
     """
-    t = _terms(drafter, head, batch, settings)
+    device = batch.input_ids.device
+    weights = settings.decay ** torch.arange(settings.steps, device=device, dtype=torch.float32)
+    fused = settings.fused_head and output_head(drafter) is not None
+    if fused and normalizer is None and torch.is_grad_enabled():
+        # The fused head needs the step weights before its forward; a trainer passes its all-reduced
+        # counts, anyone else pays this extra teacher-argmax pass.
+        normalizer = count_valid(head, batch, settings, VocabMaps.from_drafter(drafter))
+    scale = None if normalizer is None else weights / normalizer.to(device).clamp_min(1).to(weights.dtype)
+    t = _terms(drafter, head, batch, settings, scale)
     ce = t["ce"]
     n_valid = t["valid"].sum(-1)
-    norm = (n_valid if normalizer is None else normalizer.to(ce.device)).clamp_min(1).to(ce.dtype)
-    weights = settings.decay ** torch.arange(settings.steps, device=ce.device, dtype=ce.dtype)
-    loss = (weights * ce / norm).sum()
+    loss = t["loss"]
+    if loss is None:
+        norm = (n_valid if normalizer is None else normalizer.to(ce.device)).clamp_min(1).to(ce.dtype)
+        loss = (weights * ce / norm).sum()
     sums = {
         "ce_sum": ce.detach().double(),
         "acc_sum": t["acc"],

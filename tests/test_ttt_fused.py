@@ -1,0 +1,147 @@
+"""The fused output head (train/loss.py fused_terms) equals the autograd path in loss, metrics and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_ttt_drafter import H as H_TINY
+from test_ttt_drafter import V as V_TINY
+from test_ttt_drafter import tiny, trainable
+from test_ttt_loss import K, N
+from test_ttt_loss import setup as loss_setup
+from test_ttt_stubs import random_batch
+
+from models.eagle3 import RMSNorm
+from train.loss import TeacherRows, chunked_terms, fused_terms
+from train.ttt import TTTSettings, count_valid, ttt_loss
+
+KINDS = ["hidden", "topk", "argmax"]
+CHUNKS = (1, 3, 4, N, 2 * N)  # 3 and 4 do not divide N = 11
+
+
+def close(a, b, what=""):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=what)
+
+
+def autograd_path(drafter, head, hiddens, rows, reachable, maps, scale):
+    ce, acc, min_pq, valid, correct = chunked_terms(drafter, head, hiddens, rows, reachable, maps, N)
+    return (scale * ce).sum(), ce, acc, min_pq, valid, correct
+
+
+def make_loss_case(kind, norm_kind="layer"):
+    maps, head, rows, reachable, hiddens, drafter = loss_setup(kind)
+    reachable[:, :4] = False  # chunk sizes 1..4 then get chunks without a single valid row
+    if norm_kind == "rms":
+        drafter.norm = RMSNorm(hiddens[0].shape[1], 1e-6)
+    with torch.no_grad():  # non-trivial norm parameters, so their gradients mean something
+        for p in drafter.norm.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(9)) * 0.3)
+    scale = torch.tensor([1.0, 0.8, 0.64]) / torch.tensor([7.0, 6.0, 5.0])
+    return maps, head, rows, reachable, hiddens, drafter, scale
+
+
+@pytest.mark.parametrize("norm_kind", ["layer", "rms"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_terms_equal_autograd_terms_and_grads(kind, norm_kind):
+    maps, head, rows, reachable, hiddens, drafter, scale = make_loss_case(kind, norm_kind)
+    params = [*hiddens, drafter.lm_head.weight, *drafter.norm.parameters()]
+    ref = autograd_path(drafter, head, hiddens, rows, reachable, maps, scale)
+    assert 0 < int(ref[4].sum()) < K * N and not ref[4][:, :4].any()
+    ref_grads = torch.autograd.grad(ref[0], params)
+    for chunk in CHUNKS:
+        head.rows_seen.clear()
+        out = fused_terms(drafter.norm, drafter.lm_head.weight, hiddens, head, rows, reachable, maps, chunk, scale)
+        if kind == "hidden":  # the teacher runs once per chunk: no recompute
+            assert head.rows_seen == [min(chunk, N - s) for s in range(0, N, chunk)]
+        for name, got, want in zip(("loss", "ce", "acc", "min_pq"), out, ref):
+            close(got, want, f"{name} chunk={chunk}")
+        assert torch.equal(out[4], ref[4]) and torch.equal(out[5], ref[5])
+        grads = torch.autograd.grad(out[0], params)
+        for i, (g, r) in enumerate(zip(grads, ref_grads)):
+            close(g, r, f"grad {i} chunk={chunk}")
+        assert all(float(g[:4].abs().sum()) == 0.0 for g in grads[:K])  # rows valid at no step
+
+
+def test_backward_scales_by_grad_output_and_no_grad_path_agrees():
+    maps, head, rows, reachable, hiddens, drafter, scale = make_loss_case("hidden")
+    w = drafter.lm_head.weight
+    loss, *sums = fused_terms(drafter.norm, w, hiddens, head, rows, reachable, maps, 4, scale)
+    g1 = torch.autograd.grad(loss, [hiddens[1], w], retain_graph=True)
+    g3 = torch.autograd.grad(-3.0 * loss, [hiddens[1], w])
+    for a, b in zip(g1, g3):
+        close(-3.0 * a, b)
+    with torch.no_grad():
+        loss_ng, *sums_ng = fused_terms(drafter.norm, w, hiddens, head, rows, reachable, maps, 4, scale)
+    _, *sums_eval = fused_terms(drafter.norm, w, hiddens, head, rows, reachable, maps, 4, None)
+    torch.testing.assert_close(loss_ng, loss.detach())
+    for a, b, c in zip(sums, sums_ng, sums_eval):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_empty_input_still_gives_connected_zero_grads():
+    maps, head, _, _, _, drafter, scale = make_loss_case("hidden")
+    H = drafter.lm_head.weight.shape[1]
+    hs = [torch.zeros(0, H, requires_grad=True) for _ in range(K)]
+    empty = TeacherRows("hidden", hidden=torch.zeros(0, H))
+    loss, ce, acc, min_pq, valid, correct = fused_terms(
+        drafter.norm, drafter.lm_head.weight, hs, head, empty, torch.zeros(K, 0, dtype=torch.bool), maps, 4, scale
+    )
+    assert float(loss.detach()) == 0.0 and valid.shape == (K, 0) and correct.shape == (K, 0)
+    loss.backward()  # every rank runs the same backward, even without targets
+    assert drafter.lm_head.weight.grad is not None and float(drafter.lm_head.weight.grad.abs().sum()) == 0.0
+
+
+def loss_and_grads(drafter, head, batch, settings, normalizer=None):
+    drafter.zero_grad(set_to_none=True)
+    loss, m = ttt_loss(drafter, head, batch, settings, normalizer)
+    loss.backward()
+    return loss.detach(), m, {n: p.grad.clone() for n, p in trainable(drafter)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ttt_loss_fused_equals_autograd_through_a_real_unroll(kind):
+    drafter, head = tiny()
+    batch = random_batch(kind, [13, 9], V_TINY, H_TINY, head=head, seed=3)
+    ref_settings = TTTSettings(steps=3, chunk_size=10**6, fused_head=False, checkpoint_chunks=False)
+    counts = count_valid(head, batch, ref_settings, drafter)
+    n_rows = int(counts[0])
+    assert n_rows > 8
+    for normalizer in (None, counts + 3):  # own counts, and a "global" one as a trainer passes
+        ref = loss_and_grads(drafter, head, batch, ref_settings, normalizer)
+        for chunk in (5, 7, n_rows, 10**6):  # 5 and 7 need not divide the row count
+            got = loss_and_grads(drafter, head, batch, TTTSettings(steps=3, chunk_size=chunk), normalizer)
+            close(got[0], ref[0], f"loss chunk={chunk}")
+            for key in ("ce_sum", "acc_sum", "min_pq_sum", "n_valid_k"):
+                torch.testing.assert_close(got[1][key], ref[1][key], rtol=1e-5, atol=1e-6, msg=key)
+            assert set(got[2]) == set(ref[2]) and {"lm_head.weight", "norm.weight", "fc.weight"} <= set(got[2])
+            for name, g in got[2].items():
+                assert float(g.abs().sum()) > 0, name
+                close(g, ref[2][name], f"{name} chunk={chunk} normalizer={normalizer}")
+
+
+def test_fused_path_calls_no_output_head_module():
+    """ZeRO-3 gathers a module's parameters per call: the per-chunk head must not be a module call."""
+    drafter, head = tiny()
+    calls = []
+    for name in ("norm", "lm_head"):
+        getattr(drafter, name).register_forward_pre_hook(lambda mod, args, name=name: calls.append(name))
+    batch = random_batch("hidden", [13, 9], V_TINY, H_TINY, seed=3)
+    loss, _ = ttt_loss(drafter, head, batch, TTTSettings(steps=3, chunk_size=4), normalizer=torch.tensor([9, 8, 7]))
+    loss.backward()
+    assert calls == [] and drafter.lm_head.weight.grad is not None
+    ttt_loss(drafter, head, batch, TTTSettings(steps=3, chunk_size=4, fused_head=False))
+    assert calls  # the autograd path does call them, once per chunk and step
+
+
+def test_bf16_fused_is_close_to_bf16_autograd():
+    drafter, head = tiny()
+    drafter.to(torch.bfloat16)
+    head.to(torch.bfloat16)
+    batch = random_batch("hidden", [13, 9], V_TINY, H_TINY, seed=3).to("cpu", torch.bfloat16)
+    ref = loss_and_grads(drafter, head, batch, TTTSettings(steps=3, chunk_size=6, fused_head=False))
+    got = loss_and_grads(drafter, head, batch, TTTSettings(steps=3, chunk_size=6))
+    torch.testing.assert_close(got[0].float(), ref[0].float(), rtol=2e-2, atol=0)
+    for name, g in got[2].items():
+        assert g.dtype == torch.bfloat16, name
+        cos = torch.nn.functional.cosine_similarity(g.float().flatten(), ref[2][name].float().flatten(), dim=0)
+        assert cos > 0.99, (name, float(cos))
