@@ -145,3 +145,24 @@ def test_bf16_fused_is_close_to_bf16_autograd():
         assert g.dtype == torch.bfloat16, name
         cos = torch.nn.functional.cosine_similarity(g.float().flatten(), ref[2][name].float().flatten(), dim=0)
         assert cos > 0.99, (name, float(cos))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_teacher_targets_from_count_valid_give_the_same_loss_and_grads(kind):
+    """The trainer computes the teacher once (count_valid keeps it) instead of twice: nothing changes."""
+    drafter, head = tiny()
+    batch = random_batch(kind, [13, 9], V_TINY, H_TINY, head=head, seed=5)
+    for chunk in (5, 10**6):
+        settings = TTTSettings(steps=3, chunk_size=chunk)
+        counts, targets = count_valid(head, batch, settings, drafter, return_targets=True)
+        assert targets is not None
+        assert torch.equal(counts, count_valid(head, batch, settings, drafter))
+        ref = loss_and_grads(drafter, head, batch, settings, counts)
+        drafter.zero_grad(set_to_none=True)
+        loss, m = ttt_loss(drafter, head, batch, settings, counts, teacher_targets=targets)
+        loss.backward()
+        assert torch.equal(loss.detach(), ref[0])
+        for name, p in trainable(drafter):
+            assert torch.equal(p.grad, ref[2][name]), name
+    tight = TTTSettings(steps=3, chunk_size=5, teacher_cache_mb=0)
+    assert count_valid(head, batch, tight, drafter, return_targets=True)[1] is None  # too big: recomputed

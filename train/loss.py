@@ -258,6 +258,7 @@ class FusedSpec:
     maps: VocabMaps
     chunk_size: int
     scale: Tensor | None  # [K] loss weight of step k's CE sum; None: no loss/gradients (evaluation)
+    targets: list[Target] | None = None  # per-chunk teacher targets computed earlier (count_valid)
 
 
 def _row_ce_and_min_pq(logq: Tensor, target: Target) -> tuple[Tensor, Tensor, Tensor]:
@@ -311,7 +312,10 @@ def _head_pass(
     w_t = weight.t()
     for start in range(0, N, spec.chunk_size):
         sl = slice(start, min(start + spec.chunk_size, N))
-        target = teacher_target(spec.head, spec.rows.take(sl), spec.maps)
+        if spec.targets is not None:
+            target = spec.targets[start // spec.chunk_size]
+        else:
+            target = teacher_target(spec.head, spec.rows.take(sl), spec.maps)
         mask = spec.reachable[:, sl] & target.in_vocab  # [K, c]
         valid[:, sl] = mask
         # Rows valid at no step (argmax outside the draft vocab) cost nothing further.
@@ -400,6 +404,7 @@ def fused_terms(
     maps: VocabMaps,
     chunk_size: int,
     scale: Tensor | None,
+    targets: list[Target] | None = None,
 ) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`chunked_terms` for a drafter whose logits are `F.linear(norm(h), weight)`, plus the loss.
 
@@ -412,7 +417,7 @@ def fused_terms(
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     h = torch.stack(list(hiddens))  # [K, N, H]
-    spec = FusedSpec(norm, head, rows, reachable, maps, chunk_size, scale)
+    spec = FusedSpec(norm, head, rows, reachable, maps, chunk_size, scale, targets)
     norm_params = list(norm.parameters())
     inputs = (h, weight, *norm_params)
     if scale is not None and torch.is_grad_enabled() and any(t.requires_grad for t in inputs):

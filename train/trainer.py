@@ -82,8 +82,8 @@ def micro_step(engine: Engine, module, head, batch, settings, world: int) -> Ten
     from train.ttt import count_valid, ttt_loss
 
     batch = batch.to(engine.device, engine.dtype)
-    counts = _all_reduce(count_valid(head, batch, settings, vocab=module))
-    loss, m = ttt_loss(module, head, batch, settings, normalizer=counts)
+    counts, targets = count_valid(head, batch, settings, vocab=module, return_targets=True)
+    loss, m = ttt_loss(module, head, batch, settings, normalizer=_all_reduce(counts), teacher_targets=targets)
     engine.backward(loss * world)
     packed = torch.cat([
         loss.detach().double().cpu().view(1),

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from train.batch import PAD_ID, Batch
-from train.loss import VocabMaps, chunked_terms, fused_terms, gather_teacher, teacher_argmax
+from train.loss import VocabMaps, chunked_terms, fused_terms, gather_teacher, teacher_argmax, teacher_target
 
 SUM_KEYS = ("ce_sum", "acc_sum", "min_pq_sum", "n_valid_k")
 
@@ -41,6 +41,9 @@ class TTTSettings:
     fused_head: bool = True
     checkpoint_chunks: bool = True  # autograd path: checkpoint each loss chunk (recompute logits in backward)
     checkpoint_layer: bool = False  # activation-checkpoint the drafter layer of each TTT step
+    # count_valid keeps the per-chunk teacher targets for ttt_loss (so the full-vocab teacher runs once per
+    # batch, not twice) when they take at most this many MB; long sequences recompute them instead.
+    teacher_cache_mb: int = 1024
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -130,7 +133,8 @@ def output_head(drafter: nn.Module) -> tuple[nn.Module, Tensor] | None:
 
 
 def _terms(
-    drafter: nn.Module, head: nn.Module, batch: Batch, settings: TTTSettings, scale: Tensor | None = None
+    drafter: nn.Module, head: nn.Module, batch: Batch, settings: TTTSettings, scale: Tensor | None = None,
+    teacher_targets: list | None = None,
 ) -> dict[str, Tensor | None]:
     """Per-step sums and [K, N] masks; with the fused head and `scale` ([K] weights of the CE sums)
     also "loss" = Σ_k scale_k·ce_k, the differentiable output (else "loss" is None: use "ce")."""
@@ -143,7 +147,7 @@ def _terms(
     parts = output_head(drafter) if settings.fused_head else None
     if parts is not None:
         loss, ce, acc, min_pq, valid, correct = fused_terms(
-            *parts, rows, head, teacher, reachable, maps, settings.chunk_size, scale
+            *parts, rows, head, teacher, reachable, maps, settings.chunk_size, scale, teacher_targets
         )
     else:
         loss = None
@@ -164,8 +168,11 @@ def ttt_loss(
     batch: Batch,
     settings: TTTSettings,
     normalizer: Tensor | None = None,
+    teacher_targets: list | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The TTT loss of `batch` (normalisation: see the module docstring) and its metrics.
+
+    `teacher_targets`: what `count_valid(..., return_targets=True)` computed for this batch (fused head only).
 
     metrics (detached tensors [K]): raw sums `ce_sum`, `acc_sum`, `min_pq_sum`, counts `n_valid_k`
     (add them over batches/ranks, or use `reduce_metrics`), and this batch's means `loss_k`, `acc_k`,
@@ -179,7 +186,7 @@ def ttt_loss(
         # counts, anyone else pays this extra teacher-argmax pass.
         normalizer = count_valid(head, batch, settings, VocabMaps.from_drafter(drafter))
     scale = None if normalizer is None else weights / normalizer.to(device).clamp_min(1).to(weights.dtype)
-    t = _terms(drafter, head, batch, settings, scale)
+    t = _terms(drafter, head, batch, settings, scale, teacher_targets if fused else None)
     ce = t["ce"]
     n_valid = t["valid"].sum(-1)
     loss = t["loss"]
@@ -207,20 +214,31 @@ def reduce_metrics(metrics: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
 
 @torch.no_grad()
 def count_valid(
-    head: nn.Module, batch: Batch, settings: TTTSettings, vocab: VocabMaps | nn.Module | None = None
-) -> Tensor:
+    head: nn.Module, batch: Batch, settings: TTTSettings, vocab: VocabMaps | nn.Module | None = None,
+    return_targets: bool = False,
+):
     """This batch's number of valid positions per TTT step, int64 [K] (teacher argmax only, no drafter).
 
     `vocab`: the drafter (or its VocabMaps), whose t2d decides "argmax in the draft vocab"; None uses
     `head.d2t` / `head.t2d`. Cost: for the "hidden" teacher, one chunked full-vocab head matmul.
+    With `return_targets`, returns (counts, targets): the per-chunk teacher targets for `ttt_loss`
+    when they fit in settings.teacher_cache_mb (else None), so the loss does not redo that matmul.
     """
     if vocab is None:
         vocab = head
     maps = vocab if isinstance(vocab, VocabMaps) else VocabMaps.from_drafter(vocab)
     b_idx, j_idx, reachable = target_rows(batch, settings.steps)
     teacher = gather_teacher(batch, b_idx, j_idx)
-    in_vocab = torch.cat([maps.t2d[teacher_argmax(head, r)] for r in teacher.split(settings.chunk_size)])
-    return (reachable & in_vocab).sum(-1)
+    chunks = teacher.split(settings.chunk_size)
+    fits = b_idx.numel() * maps.draft_to_target.numel() * 8 <= settings.teacher_cache_mb * 2**20
+    if return_targets and fits:
+        targets = [teacher_target(head, r, maps) for r in chunks]
+        in_vocab = torch.cat([t.in_vocab for t in targets])
+    else:
+        targets = None
+        in_vocab = torch.cat([maps.t2d[teacher_argmax(head, r)] for r in chunks])
+    counts = (reachable & in_vocab).sum(-1)
+    return (counts, targets) if return_targets else counts
 
 
 def simulated_tau(acc: Sequence[float]) -> float:
