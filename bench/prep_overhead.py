@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from data_prep.capture import HiddenStateCapture, base_model
-from data_prep.chat import render_conversation
+from data_prep.chat import Dropped, render_conversation
 from data_prep.conversations import load_conversations
 from data_prep.pipeline import Rendered, length_batches
 from data_prep.shards import Sample, ShardSpec, ShardWriter, bytes_per_token
@@ -47,7 +47,7 @@ def main() -> None:
     rendered = []
     for c in convs:
         r = render_conversation(tok, c.messages, max_length=args.max_length, overflow="truncate")
-        if not isinstance(r, str):
+        if not isinstance(r, Dropped):
             rendered.append(Rendered(c.id, torch.tensor(r.input_ids), torch.tensor(r.loss_mask, dtype=torch.bool)))
         if len(rendered) == args.samples:
             break

@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import socket
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,9 @@ import torch
 from torch import Tensor, nn
 
 from train.config import DeepSpeedConfig, TrainConfig
+
+# DeepSpeed 0.19 calls collectives that torch 2.13 deprecates; the warning would repeat on every step.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
