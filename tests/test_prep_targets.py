@@ -1,0 +1,40 @@
+"""Target presets resolve without a network: geometry, chat format and EAGLE-3 tap layers."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from data_prep.targets import default_tap_layers, list_presets, resolve_target
+
+EXPECTED = {  # name: (hub id, layers, hidden, vocab, chat format)
+    "smollm2-135m-instruct": ("HuggingFaceTB/SmolLM2-135M-Instruct", 30, 576, 49152, "chatml"),
+    "llama-3.1-8b-instruct": ("meta-llama/Llama-3.1-8B-Instruct", 32, 4096, 128256, "llama3"),
+    "qwen3-8b": ("Qwen/Qwen3-8B", 36, 4096, 151936, "chatml-thinking"),
+    "qwen3-30b-a3b": ("Qwen/Qwen3-30B-A3B", 48, 2048, 151936, "chatml-thinking"),
+    "gpt-oss-20b": ("openai/gpt-oss-20b", 24, 2880, 201088, "harmony"),
+    "gpt-oss-120b": ("openai/gpt-oss-120b", 36, 2880, 201088, "harmony"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_presets(name: str) -> None:
+    p = resolve_target(name)
+    assert (p.hf_id, p.num_layers, p.hidden_size, p.vocab_size, p.chat_format) == EXPECTED[name]
+    assert p.tap_layers == default_tap_layers(p.num_layers)  # [1, L//2 - 1, L - 4]
+    assert p.moe == (name in ("qwen3-30b-a3b", "gpt-oss-20b", "gpt-oss-120b"))
+
+
+def test_gpt_oss_120b_taps_and_every_preset_listed() -> None:
+    assert resolve_target("gpt-oss-120b").tap_layers == [1, 17, 32]
+    assert set(EXPECTED) <= set(list_presets())
+
+
+def test_local_directory_reads_its_config(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 12, "hidden_size": 64, "vocab_size": 1000, "dtype": "float32"}))
+    p = resolve_target(str(tmp_path))
+    assert (p.num_layers, p.hidden_size, p.vocab_size, p.tap_layers, p.dtype) == (12, 64, 1000, [1, 5, 8], "float32")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        resolve_target(str(tmp_path / "empty"))
