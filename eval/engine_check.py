@@ -1,0 +1,116 @@
+"""Serve our exported drafter in a real vLLM and compare its acceptance with our own evaluator's.
+
+    python -m eval.engine_check --vllm-python <venv>/bin/python --drafter <export dir> [--k 3] [--prompts 10]
+
+vLLM lives in its OWN virtual environment (it pins its own torch; `make engine-check` builds it). This
+starts `python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 with the target and
+`--speculative-config {"method": "eagle3", "model": <export>, "num_speculative_tokens": K}`, sends the
+evaluation prompts greedily (token ids rendered with the target's chat template, as our evaluator does),
+reads the `vllm:spec_decode_*` counters from /metrics, and prints vLLM's mean acceptance length and
+per-position acceptance. Compare with `launch/eval.py decode.mode=chain decode.depth=K` on the same prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from data_prep.chat import render_prompt
+from data_prep.targets import load_tokenizer, model_path, resolve_target
+from eval.prompts import load_prompts
+
+
+def _get(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def _post(url: str, body: dict, timeout: float = 600.0) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read().decode())
+
+
+def spec_counters(metrics_text: str) -> dict:
+    """Sum the vllm:spec_decode_* counters (all label sets) and the per-position accepted counts."""
+    out: dict = {"per_pos": {}}
+    for line in metrics_text.splitlines():
+        m = re.match(r"vllm:spec_decode_(\w+?)(?:_total)?(\{[^}]*\})? ([0-9.e+-]+)$", line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        if name == "num_accepted_tokens_per_pos":
+            pos = int(re.search(r'position="(\d+)"', labels).group(1))
+            out["per_pos"][pos] = out["per_pos"].get(pos, 0.0) + value
+        else:
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--vllm-python", required=True)
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--prompts", default="mtbench")
+    ap.add_argument("--num-prompts", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--port", type=int, default=8011)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    preset = resolve_target(args.target)
+    tokenizer = load_tokenizer(preset)
+    records = load_prompts(args.prompts, limit=args.num_prompts)
+    prompts = [render_prompt(tokenizer, [{"role": "user", "content": r.turns[0]}]) for r in records]
+    spec = {"method": "eagle3", "model": str(Path(args.drafter).resolve()), "num_speculative_tokens": args.k}
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path(preset),
+           "--dtype", "bfloat16", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(args.port),
+           "--enforce-eager", "--speculative-config", json.dumps(spec)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
+    log = open(Path(args.out).with_suffix(".vllm.log") if args.out else os.devnull, "w")  # noqa: SIM115
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{args.port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            if server.poll() is not None:
+                sys.exit(f"vLLM exited with {server.returncode} before serving (see its log)")
+            try:
+                _get(base + "/health")
+                break
+            except OSError:
+                if time.time() > deadline:
+                    sys.exit("vLLM did not become ready within 600 s")
+                time.sleep(2)
+        before = spec_counters(_get(base + "/metrics"))
+        for ids in prompts:
+            _post(base + "/v1/completions", {"model": model_path(preset), "prompt": ids,
+                                             "max_tokens": args.max_new_tokens, "temperature": 0.0})
+        after = spec_counters(_get(base + "/metrics"))
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
+    accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
+    per_pos = [(after["per_pos"].get(i, 0) - before["per_pos"].get(i, 0)) / max(drafts, 1) for i in range(args.k)]
+    # vLLM's per-position numbers are P(accepted at i); ours are conditional on all before accepted.
+    conditional = [per_pos[0]] + [per_pos[i] / per_pos[i - 1] if per_pos[i - 1] else None for i in range(1, args.k)]
+    result = {"engine": "vllm", "k": args.k, "num_prompts": len(prompts), "drafts": drafts, "accepted": accepted,
+              "mean_acceptance_length": 1 + accepted / max(drafts, 1), "accepted_per_position": per_pos,
+              "conditional_acceptance": conditional}
+    print(json.dumps(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
