@@ -47,6 +47,7 @@ from data_prep.targets import TargetPreset, load_target, resolve_target
 from data_prep.vocab import VOCAB_FILE, build_draft_vocab, count_tokens, coverage, save_draft_vocab
 
 SPLITS = ("train", "eval")
+NOT_SKIPS = ("captured_tokens", "truncated to max_length")  # counted, but the sample is kept
 
 
 @dataclass
@@ -185,7 +186,7 @@ def capture_split(cfg, model, capture, spec, samples, root: Path, rank: int, dev
     todo = [s for s in samples if s.conversation_id not in done]
     tokens, start = 0, time.perf_counter()
     bar = tqdm(total=sum(len(s.input_ids) for s in todo), unit="tok", desc=f"capture {root.name} r{rank}",
-               disable=rank != 0 and not cfg.device)
+               disable=rank != 0)
     for batch in length_batches(todo, cfg.capture.batch_tokens):
         width = max(len(s.input_ids) for s in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
@@ -266,7 +267,8 @@ def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, model, tokenizer, world:
         "samples": {s: manifests[s].num_samples for s in SPLITS},
         "tokens": {s: manifests[s].num_tokens for s in SPLITS},
         "loss_tokens_train": int(counts.sum()),
-        "skipped": {k: v for k, v in sorted(total.items()) if k not in ("captured_tokens",)},
+        "skipped": {k: v for k, v in sorted(total.items()) if k not in NOT_SKIPS},
+        "truncated_to_max_length": total["truncated to max_length"],
         "loader_skips": parts[0]["loader_skips"],
         "regen": [p.get("regen") for p in parts],
         "bytes_written": sum((out / split / s.file).stat().st_size for split, m in manifests.items() for s in m.shards),
@@ -341,6 +343,7 @@ def print_summary(summary: dict, out: Path) -> None:
     print(f"  records  read {loader['records']}, kept {loader['kept']}")
     for reason, n in {**loader["skipped"], **summary["skipped"]}.items():
         print(f"  skipped  {n:6d}  {reason}")
+    print(f"  truncated to max_length (kept) {summary['truncated_to_max_length']}")
     print(f"  written  {summary['bytes_written'] / 2**20:.1f} MiB, {summary['bytes_per_token']} B/token; "
           f"capture {summary['capture_tokens_per_s']:.0f} tokens/s")
     for name, b in summary["bytes_per_token_options"].items():
