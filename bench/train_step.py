@@ -75,8 +75,8 @@ def worker(args: argparse.Namespace) -> dict:
     from train.batch import Batch
     from train.config import DeepSpeedConfig, TrainConfig
     from train.engine import Engine, init_distributed
-    from train.trainer import PER_CHUNK_MODULES, micro_step
-    from train.ttt import TTTSettings
+    from train.trainer import micro_step
+    from train.ttt import Eagle3Objective, TTTSettings
 
     t0 = time.perf_counter()
     seq_len = args.worker
@@ -105,8 +105,10 @@ def worker(args: argparse.Namespace) -> dict:
     ds_cfg = DeepSpeedConfig(zero_stage=args.zero_stage, precision=args.precision)
     engine = Engine(ds_cfg, TrainConfig(ttt_steps=args.ttt_steps, chunk_size=args.chunk_size, warmup_steps=0), 1000)
     head.to(engine.device, engine.dtype)
-    module = engine.prepare(drafter, keep_gathered=PER_CHUNK_MODULES)
-    settings = TTTSettings(steps=args.ttt_steps, chunk_size=args.chunk_size, checkpoint_layer=args.checkpoint_layer)
+    module = engine.prepare(drafter, keep_gathered=Eagle3Objective.keep_gathered)
+    objective = Eagle3Objective(
+        TTTSettings(steps=args.ttt_steps, chunk_size=args.chunk_size, checkpoint_layer=args.checkpoint_layer)
+    )
     cuda = engine.device.type == "cuda"
     build_s, rss_after_build = time.perf_counter() - t0, _peak_rss_mb()
 
@@ -115,7 +117,7 @@ def worker(args: argparse.Namespace) -> dict:
         if cuda:
             torch.cuda.synchronize()
         t = time.perf_counter()
-        packed = micro_step(engine, module, head, batch, settings, world)
+        packed, _ = micro_step(engine, module, head, batch, objective, world)
         engine.step()
         if cuda:
             torch.cuda.synchronize()

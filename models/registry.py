@@ -1,11 +1,105 @@
-"""Drafter classes by config.json architectures[0] (SpecForge's registry idea: a new architecture is a new file
-plus an entry here)."""
+"""Drafter families: which model file implements a method, how its export is recognised and loaded.
+
+SpecForge's registry idea: a new drafter is a new model file (config + module + save/load of its export)
+plus an entry here. Families are imported lazily so that reading this table costs nothing.
+
+Every family's module provides: a config dataclass, a drafter nn.Module with `cfg`, `save_export(drafter,
+out_dir)` and `load_export(export_dir, target_weights=..., ...)`. `frozen_keys` are the target's own
+tensors the drafter holds frozen (embedding, LM head): never trained, checkpointed or exported, and
+supplied from the target when the drafter is rebuilt.
+"""
 
 from __future__ import annotations
 
-from torch import nn
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+from torch import Tensor, nn
 
 from models.config import ARCHITECTURE_ALIASES
-from models.eagle3 import Eagle3Drafter
 
-DRAFTERS: dict[str, type[nn.Module]] = {name: Eagle3Drafter for name in ARCHITECTURE_ALIASES}
+
+@dataclass(frozen=True)
+class DrafterFamily:
+    method: str
+    module: str  # "models.eagle3"
+    config_class: str
+    drafter_class: str
+    export_module: str  # where save_export / load_export live
+    architectures: tuple[str, ...]  # config.json architectures[0] values of its exports
+    frozen_keys: tuple[str, ...]
+
+    def _load(self, name: str) -> ModuleType:
+        return importlib.import_module(name)
+
+    @property
+    def config_cls(self) -> type:
+        return getattr(self._load(self.module), self.config_class)
+
+    @property
+    def drafter_cls(self) -> type[nn.Module]:
+        return getattr(self._load(self.module), self.drafter_class)
+
+    def save_export(self, drafter: nn.Module, out_dir, **kw):
+        return self._load(self.export_module).save_export(drafter, out_dir, **kw)
+
+    def load_export(self, export_dir, **kw) -> nn.Module:
+        return self._load(self.export_module).load_export(export_dir, **kw)
+
+    def from_state(self, config: dict, params: dict[str, Tensor], buffers: dict[str, Tensor]) -> nn.Module:
+        """A CPU drafter from a checkpoint's config + trained tensors; frozen target tensors stay zero."""
+        import torch
+
+        drafter = self.drafter_cls(self.config_cls(**config))
+        missing, unexpected = drafter.load_state_dict({**params, **buffers}, strict=False)
+        missing = [k for k in missing if k not in self.frozen_keys]
+        if missing or unexpected:
+            raise KeyError(f"checkpoint does not match the {self.method} drafter: missing {missing}, "
+                           f"unexpected {list(unexpected)}")
+        with torch.no_grad():
+            state = drafter.state_dict()
+            for key in self.frozen_keys:
+                state[key].zero_()
+        return drafter
+
+
+FAMILIES: dict[str, DrafterFamily] = {
+    "eagle3": DrafterFamily(
+        "eagle3", "models.eagle3", "Eagle3Config", "Eagle3Drafter", "models.export",
+        tuple(ARCHITECTURE_ALIASES), ("embed_tokens.weight",),
+    ),
+    "eagle1": DrafterFamily(
+        "eagle1", "models.eagle1", "Eagle1Config", "Eagle1Drafter", "models.eagle1",
+        ("EagleLlamaForCausalLM",), ("embed_tokens.weight", "lm_head.weight"),
+    ),
+    "dflash": DrafterFamily(
+        "dflash", "models.dflash", "DFlashConfig", "DFlashDrafter", "models.dflash",
+        ("DFlashDraftModel",), ("embed_tokens.weight", "lm_head.weight"),
+    ),
+}
+
+
+def family(method: str) -> DrafterFamily:
+    if method not in FAMILIES:
+        raise ValueError(f"unknown drafter method {method!r}; known: {sorted(FAMILIES)}")
+    return FAMILIES[method]
+
+
+def family_of_export(config: dict) -> DrafterFamily:
+    """The family whose export wrote this config.json (by architectures[0])."""
+    arch = (config.get("architectures") or [None])[0]
+    for fam in FAMILIES.values():
+        if arch in fam.architectures:
+            return fam
+    known = [a for f in FAMILIES.values() for a in f.architectures]
+    raise ValueError(f"config.json architectures[0] = {arch!r} is not a known drafter export ({known})")
+
+
+def _eagle3_classes() -> dict[str, type[nn.Module]]:
+    from models.eagle3 import Eagle3Drafter
+
+    return {name: Eagle3Drafter for name in ARCHITECTURE_ALIASES}
+
+
+DRAFTERS: dict[str, type[nn.Module]] = _eagle3_classes()  # EAGLE-3 export architectures -> class

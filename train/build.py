@@ -57,17 +57,11 @@ def load_head(prep_dir: Path) -> nn.Module:
     return head.eval()
 
 
-def drafter_from_state(config: dict, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> nn.Module:
-    """A CPU drafter rebuilt from a checkpoint's drafter_config.json + tensors (the embedding stays zero:
-    it is the target's and is not part of an export)."""
-    from models.eagle3 import Eagle3Config, Eagle3Drafter
+def drafter_from_state(
+    config: dict, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], method: str = "eagle3"
+) -> nn.Module:
+    """A CPU drafter rebuilt from a checkpoint's drafter_config.json + tensors (the target's frozen tensors
+    stay zero: they are not part of a checkpoint or an export)."""
+    from models.registry import family
 
-    drafter = Eagle3Drafter(Eagle3Config(**config), attn_backend="auto")
-    missing, unexpected = drafter.load_state_dict({**params, **buffers}, strict=False)
-    unexpected = [k for k in unexpected]
-    missing = [k for k in missing if k != "embed_tokens.weight"]
-    if missing or unexpected:
-        raise KeyError(f"checkpoint does not match the drafter: missing {missing}, unexpected {unexpected}")
-    with torch.no_grad():
-        drafter.embed_tokens.weight.zero_()
-    return drafter
+    return family(method).from_state(config, params, buffers)

@@ -30,6 +30,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
+    method: str = "eagle3"  # the drafter family: eagle3 | eagle1 | dflash (train/objective.py)
     attn_backend: str = "auto"  # "auto" (best exact backend for the device) or a name in models.attention
     # Drafter geometry overrides; None = take the value from the target's config (the usual EAGLE-3 choice).
     # hidden_size is not overridable: the frozen target embedding and the taps fix it.
@@ -60,6 +61,7 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     ttt_steps: int = 7  # K: TTT unroll length
+    eval_ttt_steps: int | None = None  # steps unrolled by held-out evals; None = ttt_steps
     loss_decay: float = 0.8  # lambda: weight of step k is lambda**k
     lr: float = 1e-4
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
@@ -140,7 +142,9 @@ class RunConfig:
         """Raise ConfigError for values that would fail (or silently misbehave) later. Returns self."""
         m, d, t, ds, lg = self.model, self.data, self.train, self.deepspeed, self.logger
         from models.attention import ATTENTION  # the registry decides which backend names exist
+        from train.objective import METHODS
 
+        _one_of("model.method", m.method, METHODS)
         _one_of("model.attn_backend", m.attn_backend, ("auto", *sorted(ATTENTION)))
         _one_of("deepspeed.precision", ds.precision, PRECISIONS)
         _one_of("deepspeed.dist_backend", ds.dist_backend, DIST_BACKENDS)
@@ -171,7 +175,8 @@ class RunConfig:
         ]:
             if value < 0:
                 raise ConfigError(f"{key} must be >= 0, got {value}")
-        for key, value in [("train.max_steps", t.max_steps), ("train.stop_after_steps", t.stop_after_steps)]:
+        for key, value in [("train.max_steps", t.max_steps), ("train.stop_after_steps", t.stop_after_steps),
+                           ("train.eval_ttt_steps", t.eval_ttt_steps)]:
             if value is not None and value < 1:
                 raise ConfigError(f"{key} must be >= 1 or null, got {value}")
         if not 0.0 < t.loss_decay <= 1.0:

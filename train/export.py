@@ -20,18 +20,21 @@ def export_drafter(
     buffers: dict[str, Tensor],
     out: str | Path,
     max_position_embeddings: int | None = None,
+    method: str = "eagle3",
 ) -> Path:
-    from models.export import save_export
+    from models.registry import family
 
     if max_position_embeddings is not None:
         config = {**config, "max_position_embeddings": max_position_embeddings}
-    drafter = drafter_from_state(config, params, buffers)
-    drafter.set_vocab_mapping(drafter.d2t.clone(), drafter.t2d.clone())  # refuse an inconsistent mapping
-    return save_export(drafter, out)
+    drafter = drafter_from_state(config, params, buffers, method)
+    if hasattr(drafter, "set_vocab_mapping"):
+        drafter.set_vocab_mapping(drafter.d2t.clone(), drafter.t2d.clone())  # refuse an inconsistent mapping
+    return family(method).save_export(drafter, out)
 
 
 def export_checkpoint(path: str | Path, out: str | Path, max_position_embeddings: int | None = None) -> Path:
     """Export the checkpoint at `path` (a step dir, or a run / checkpoints dir -> its latest)."""
     ckpt = checkpoint.load(Path(path))
-    return export_drafter(ckpt.drafter_config, ckpt.params, ckpt.buffers, out, max_position_embeddings)
+    method = ckpt.state.get("method", "eagle3")
+    return export_drafter(ckpt.drafter_config, ckpt.params, ckpt.buffers, out, max_position_embeddings, method)
 

@@ -19,15 +19,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from train import checkpoint
-from train.build import build_drafter, load_head
+from train.build import load_head
 from train.config import RunConfig
 from train.data import Cursor, ShardBatches
 from train.engine import Engine, init_distributed
 from train.metrics import MetricsLogger, memory_stats
+from train.objective import Objective, make_objective
 
 log = logging.getLogger("train")
-# Modules the loss calls once per chunk of loss positions (a per-rank, data-dependent count).
-PER_CHUNK_MODULES = ("norm", "lm_head")
 
 
 def total_steps(cfg: RunConfig, batches_per_epoch: int) -> int:
@@ -48,14 +47,17 @@ def _all_reduce(x: Tensor) -> Tensor:
 
 
 class Window:
-    """Sums over the micro-batches of one optimizer step (already all-reduced over ranks)."""
+    """Sums over the micro-batches of one optimizer step (already all-reduced over ranks).
 
-    def __init__(self, steps: int):
-        self.k = steps
+    Packed layout (see micro_step): [loss, tokens, *sums[k] for k in keys], each sum of length
+    `positions`; "n_valid_k" is the denominator of every "<name>_sum" -> "<name>_k"."""
+
+    def __init__(self, keys: tuple[str, ...], positions: int):
+        self.keys, self.positions = keys, positions
         self.reset()
 
     def reset(self) -> None:
-        self.sums = torch.zeros(4 * self.k + 2, dtype=torch.float64)
+        self.sums = torch.zeros(2 + len(self.keys) * self.positions, dtype=torch.float64)
         self.micro = 0
         self.start = time.perf_counter()
 
@@ -64,42 +66,39 @@ class Window:
         self.micro += 1
 
     def metrics(self) -> dict:
-        k, s = self.k, self.sums
-        n = s[1 + 3 * k : 1 + 4 * k].clamp_min(1)
+        p, s = self.positions, self.sums
+        parts = {k: s[2 + i * p : 2 + (i + 1) * p] for i, k in enumerate(self.keys)}
+        n = parts["n_valid_k"].clamp_min(1)
         elapsed = max(time.perf_counter() - self.start, 1e-9)
-        return {
-            "loss": float(s[0] / self.micro),
-            "loss_k": (s[1 : 1 + k] / n).tolist(),
-            "acc_k": (s[1 + k : 1 + 2 * k] / n).tolist(),
-            "min_pq_k": (s[1 + 2 * k : 1 + 3 * k] / n).tolist(),
-            "n_valid_k": s[1 + 3 * k : 1 + 4 * k].long().tolist(),
-            "tokens": int(s[-1]),
-            "tokens_per_s": float(s[-1]) / elapsed,
-        }
+        out = {"loss": float(s[0] / self.micro)}
+        for key, v in parts.items():
+            if key.endswith("_sum"):
+                name = key.removesuffix("_sum")
+                out[f"{'loss' if name == 'ce' else name}_k"] = (v / n).tolist()
+        out.update(n_valid_k=parts["n_valid_k"].long().tolist(), tokens=int(s[1]), tokens_per_s=float(s[1]) / elapsed)
+        return out
 
 
-def micro_step(engine: Engine, module, head, batch, settings, world: int) -> Tensor:
-    from train.ttt import count_valid, ttt_loss
-
+def micro_step(engine: Engine, module, head, batch, objective: Objective, world: int) -> tuple[Tensor, tuple]:
+    """One micro-batch: forward, backward; returns the all-reduced packed metrics and their keys."""
     batch = batch.to(engine.device, engine.dtype)
-    counts, targets = count_valid(head, batch, settings, vocab=module, return_targets=True)
-    loss, m = ttt_loss(module, head, batch, settings, normalizer=_all_reduce(counts), teacher_targets=targets)
+    counts, state = objective.count(module, head, batch)
+    loss, sums = objective.loss(module, head, batch, _all_reduce(counts), state)
     engine.backward(loss * world)
+    keys = tuple(sorted(sums))
     packed = torch.cat([
         loss.detach().double().cpu().view(1),
-        *(m[key].detach().double().cpu() for key in ("ce_sum", "acc_sum", "min_pq_sum", "n_valid_k")),
         batch.valid.sum().double().cpu().view(1),
+        *(sums[k].detach().double().cpu().reshape(-1) for k in keys),
     ])
-    return _all_reduce(packed.to(engine.device)).cpu()
+    return _all_reduce(packed.to(engine.device)).cpu(), keys
 
 
-def evaluate(engine: Engine, module, head, data: ShardBatches, settings) -> dict:
-    """Held-out TTT metrics over the whole eval subset, every rank on its part, counts all-reduced."""
-    from train.ttt import eval_sums, summarize
-
+def evaluate(engine: Engine, module, head, data: ShardBatches, objective: Objective) -> dict:
+    """Held-out metrics over the whole eval subset, every rank on its part, counts all-reduced."""
     batches = (b.to(engine.device, engine.dtype) for b in data.epoch(0, shuffle=False))
-    sums = eval_sums(module, head, batches, settings)
-    return summarize({k: _all_reduce(v.to(engine.device)).cpu() for k, v in sums.items()})
+    sums = objective.eval_sums(module, head, batches)
+    return objective.summarize({k: _all_reduce(v.to(engine.device)).cpu() for k, v in sums.items()})
 
 
 def save_checkpoint(engine: Engine, module, run_dir: Path, step: int, cursor: Cursor, cfg: RunConfig) -> None:
@@ -111,8 +110,9 @@ def save_checkpoint(engine: Engine, module, run_dir: Path, step: int, cursor: Cu
             "zero_stage": cfg.deepspeed.zero_stage,
             "precision": engine.precision,
             "data_dir": cfg.data.dir,
+            "method": cfg.model.method,
         }
-        buffers = {"d2t": module.d2t.cpu(), "t2d": module.t2d.cpu()}
+        buffers = export_buffers(module)
         path = checkpoint.save(
             run_dir / "checkpoints", step, state, buffers, meta, dataclasses.asdict(module.cfg),
             cfg.train.keep_checkpoints,
@@ -121,20 +121,24 @@ def save_checkpoint(engine: Engine, module, run_dir: Path, step: int, cursor: Cu
     dist.barrier()
 
 
-def export(engine: Engine, module, out: Path) -> None:
+def export_buffers(module) -> dict[str, Tensor]:
+    """The drafter's persistent integer/bool buffers (vocab maps): trained state a checkpoint must carry."""
+    return {n: b.cpu() for n, b in module.state_dict().items() if not b.is_floating_point() and n not in
+            dict(module.named_parameters())}
+
+
+def export(engine: Engine, module, out: Path, method: str) -> None:
     from train.export import export_drafter
 
     params = engine.full_params()  # collective
     if engine.rank == 0:
-        buffers = {"d2t": module.d2t.cpu(), "t2d": module.t2d.cpu()}
-        export_drafter(dataclasses.asdict(module.cfg), params, buffers, out)
+        export_drafter(dataclasses.asdict(module.cfg), params, export_buffers(module), out, method=method)
         log.info("export %s", out)
     dist.barrier()
 
 
 def run(cfg: RunConfig, run_dir: str | Path) -> dict:
     """Train per `cfg`, everything written under `run_dir`; returns the summary (rank 0; {} elsewhere)."""
-    from train.ttt import TTTSettings
 
     t0 = time.perf_counter()
     rank, world = init_distributed(cfg.deepspeed.dist_backend, cfg.deepspeed.cpu_shm_comm)
@@ -157,10 +161,13 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
 
     torch.manual_seed(t.seed)  # identical initial weights on every rank (ZeRO-3 partitions each rank's copy)
     head = load_head(prep)
-    drafter = build_drafter(cfg.model, prep, train_data.manifest.tap_layers, cfg.data.max_len, head)
+    objective = make_objective(cfg)
+    drafter = objective.build_drafter(prep, train_data.manifest.tap_layers, head)
     engine = Engine(cfg.deepspeed, t, steps_total)
     head.to(engine.device, engine.dtype)
-    module = engine.prepare(drafter, ckpt.engine_state() if ckpt else None, keep_gathered=PER_CHUNK_MODULES)
+    module = engine.prepare(
+        drafter, ckpt.engine_state() if ckpt else None, keep_gathered=objective.keep_gathered
+    )
     step, cursor = 0, Cursor()
     if ckpt is not None:
         step, cursor = ckpt.state["step"], Cursor(**ckpt.state["cursor"])
@@ -168,14 +175,11 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
         log.info("resumed from %s (step %d, saved at world size %d)", ckpt.path, step, ckpt.state["world_size"])
     del ckpt
 
-    settings = TTTSettings(
-        steps=t.ttt_steps, decay=t.loss_decay, chunk_size=t.chunk_size, checkpoint_layer=t.checkpoint_layer
-    )
     logger = MetricsLogger(cfg.logger, run_dir, rank, dataclasses.asdict(cfg), steps_total, step)
-    window, last_eval, last_saved, eval_metrics = Window(t.ttt_steps), -1, step, None
+    window, last_eval, last_saved, eval_metrics = None, -1, step, None
     tokens_total = 0
     if eval_data is not None and t.eval_interval and step == 0:
-        logger.log("eval", 0, evaluate(engine, module, head, eval_data, settings))  # the untrained baseline
+        logger.log("eval", 0, evaluate(engine, module, head, eval_data, objective))  # the untrained baseline
     engine.train()
     while step < steps_total and (t.stop_after_steps is None or step < t.stop_after_steps):
         for batch in train_data.epoch(cursor.epoch, cursor.batch):
@@ -183,7 +187,9 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
             if cursor.batch == train_data.batches_per_epoch:
                 cursor = Cursor(cursor.epoch + 1, 0)
             lr = engine.lr
-            window.add(micro_step(engine, module, head, batch, settings, world))
+            packed, keys = micro_step(engine, module, head, batch, objective, world)
+            window = window or Window(keys, objective.positions)
+            window.add(packed)
             if not engine.step():
                 continue
             step += 1
@@ -195,7 +201,7 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
                                            **memory_stats()})
             logger.advance()
             if eval_data is not None and t.eval_interval and step % t.eval_interval == 0:
-                eval_metrics = evaluate(engine, module, head, eval_data, settings)
+                eval_metrics = evaluate(engine, module, head, eval_data, objective)
                 logger.log("eval", step, eval_metrics)
                 engine.train()
                 last_eval = step
@@ -210,10 +216,10 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
     if last_saved != step:
         save_checkpoint(engine, module, run_dir, step, cursor, cfg)
     if finished and eval_data is not None and last_eval != step:
-        eval_metrics = evaluate(engine, module, head, eval_data, settings)
+        eval_metrics = evaluate(engine, module, head, eval_data, objective)
         logger.log("eval", step, eval_metrics)
     if finished and t.export:
-        export(engine, module, run_dir / "export")
+        export(engine, module, run_dir / "export", cfg.model.method)
     summary = {
         "finished": finished,
         "steps": step,
@@ -222,6 +228,7 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
         "world_size": world,
         "precision": engine.precision,
         "zero_stage": cfg.deepspeed.zero_stage,
+        "method": cfg.model.method,
         "ttt_steps": t.ttt_steps,
         "loss_decay": t.loss_decay,
         "eval": eval_metrics,

@@ -17,7 +17,7 @@ all-reduced global counts (`count_valid`) so that the loss of a split batch sums
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -104,11 +104,14 @@ def new_ttt_cache():
     return TTTCache()
 
 
-def unroll(drafter: nn.Module, batch: Batch, settings: TTTSettings) -> list[Tensor]:
-    """Run the K TTT steps; returns each step's drafter output a^{(k)} [B, T, H]."""
+def unroll(drafter: nn.Module, batch: Batch, settings: TTTSettings, hidden: Tensor | None = None) -> list[Tensor]:
+    """Run the K TTT steps; returns each step's drafter output a^{(k)} [B, T, H].
+
+    `hidden`: the step-0 feature stream [B, T, H]; None = drafter.fuse(batch.taps) (EAGLE-3)."""
     ids = batch.input_ids
     B, T = ids.shape
-    hidden = drafter.fuse(batch.taps.to(_float_dtype(drafter)))
+    if hidden is None:
+        hidden = drafter.fuse(batch.taps.to(_float_dtype(drafter)))
     pos = torch.arange(T, device=ids.device).expand(B, T)
     cache = new_ttt_cache()
     outs = []
@@ -134,13 +137,14 @@ def output_head(drafter: nn.Module) -> tuple[nn.Module, Tensor] | None:
 
 def _terms(
     drafter: nn.Module, head: nn.Module, batch: Batch, settings: TTTSettings, scale: Tensor | None = None,
-    teacher_targets: list | None = None,
+    teacher_targets: list | None = None, hidden: Tensor | None = None,
 ) -> dict[str, Tensor | None]:
     """Per-step sums and [K, N] masks; with the fused head and `scale` ([K] weights of the CE sums)
-    also "loss" = Σ_k scale_k·ce_k, the differentiable output (else "loss" is None: use "ce")."""
+    also "loss" = Σ_k scale_k·ce_k, the differentiable output (else "loss" is None: use "ce").
+    "rows": each step's drafter outputs at the target rows ([N, H] per step), for extra loss terms."""
     maps = VocabMaps.from_drafter(drafter)
     b_idx, j_idx, reachable = target_rows(batch, settings.steps)
-    hiddens = unroll(drafter, batch, settings)
+    hiddens = unroll(drafter, batch, settings, hidden)
     rows = [h[b_idx, (j_idx - k - 1).clamp_min(0)] for k, h in enumerate(hiddens)]  # [N, H] per step
     del hiddens
     teacher = gather_teacher(batch, b_idx, j_idx)
@@ -154,7 +158,8 @@ def _terms(
         ce, acc, min_pq, valid, correct = chunked_terms(
             drafter, head, rows, teacher, reachable, maps, settings.chunk_size, settings.checkpoint_chunks
         )
-    return dict(loss=loss, ce=ce, acc=acc, min_pq=min_pq, valid=valid, correct=correct, b_idx=b_idx, j_idx=j_idx)
+    return dict(loss=loss, ce=ce, acc=acc, min_pq=min_pq, valid=valid, correct=correct, b_idx=b_idx, j_idx=j_idx,
+                rows=rows)
 
 
 def _means(sums: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -272,8 +277,12 @@ def _chain_counts(valid: Tensor, correct: Tensor, b_idx: Tensor, j_idx: Tensor, 
 
 
 @torch.no_grad()
-def eval_sums(drafter: nn.Module, head: nn.Module, batches: Iterable[Batch], settings: TTTSettings) -> dict:
-    """Raw, additive evaluation counts (CPU tensors [K]); add over ranks, then `summarize`."""
+def eval_sums(
+    drafter: nn.Module, head: nn.Module, batches: Iterable[Batch], settings: TTTSettings,
+    step0: Callable[[Batch], Tensor] | None = None,
+) -> dict:
+    """Raw, additive evaluation counts (CPU tensors [K]); add over ranks, then `summarize`.
+    `step0(batch)`: the step-0 feature stream when it is not drafter.fuse(taps) (see `unroll`)."""
     K = settings.steps
     device = next(drafter.parameters()).device
     out = {k: torch.zeros(K, dtype=torch.float64) for k in ("ce_sum", "acc_sum", "min_pq_sum")}
@@ -284,7 +293,7 @@ def eval_sums(drafter: nn.Module, head: nn.Module, batches: Iterable[Batch], set
     try:
         for batch in batches:
             batch = batch.to(device)
-            t = _terms(drafter, head, batch, settings)
+            t = _terms(drafter, head, batch, settings, hidden=None if step0 is None else step0(batch))
             num, den = _chain_counts(
                 t["valid"], t["correct"], t["b_idx"], t["j_idx"], tuple(batch.input_ids.shape)
             )
@@ -334,3 +343,42 @@ def summarize(sums: dict) -> dict:
 def evaluate(drafter: nn.Module, head: nn.Module, batches: Iterable[Batch], settings: TTTSettings) -> dict:
     """Teacher-forced TTT evaluation (no grad): acc_k, alpha_k, sim_tau, loss_k, min_pq_k, counts."""
     return summarize(eval_sums(drafter, head, batches, settings))
+
+
+class Eagle3Objective:
+    """EAGLE-3 with training-time test (train.ttt_steps = K, train.loss_decay = λ); see train/objective.py.
+    Held-out metrics unroll train.eval_ttt_steps (default K) steps, so a K=1 drafter's decay is visible."""
+
+    method = "eagle3"
+    keep_gathered = ("norm", "lm_head")  # the fused head calls them once per loss chunk
+
+    def __init__(self, settings: TTTSettings, eval_settings: TTTSettings | None = None, cfg=None) -> None:
+        self.settings, self.eval_settings, self.cfg = settings, eval_settings or settings, cfg
+        self.positions = settings.steps
+
+    @classmethod
+    def from_config(cls, cfg) -> Eagle3Objective:
+        t = cfg.train
+        settings = TTTSettings(
+            steps=t.ttt_steps, decay=t.loss_decay, chunk_size=t.chunk_size, checkpoint_layer=t.checkpoint_layer
+        )
+        eval_settings = TTTSettings(steps=t.eval_ttt_steps or t.ttt_steps, decay=t.loss_decay, chunk_size=t.chunk_size)
+        return cls(settings, eval_settings, cfg)
+
+    def build_drafter(self, prep_dir, tap_layers: list[int], head: nn.Module) -> nn.Module:
+        from train.build import build_drafter
+
+        return build_drafter(self.cfg.model, prep_dir, tap_layers, self.cfg.data.max_len, head)
+
+    def count(self, module: nn.Module, head: nn.Module, batch: Batch):
+        return count_valid(head, batch, self.settings, vocab=module, return_targets=True)
+
+    def loss(self, module: nn.Module, head: nn.Module, batch: Batch, normalizer: Tensor, state):
+        loss, m = ttt_loss(module, head, batch, self.settings, normalizer=normalizer, teacher_targets=state)
+        return loss, {k: m[k] for k in SUM_KEYS}
+
+    def eval_sums(self, module: nn.Module, head: nn.Module, batches: Iterable[Batch]) -> dict:
+        return eval_sums(module, head, batches, self.eval_settings)
+
+    def summarize(self, sums: dict) -> dict:
+        return summarize(sums)

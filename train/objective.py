@@ -1,0 +1,73 @@
+"""What the train loop needs from a drafter family: one small interface, one implementation per method.
+
+The loop (train/trainer.py) knows nothing about a drafter's internals. Per micro-batch it calls
+`count` (this rank's number of loss targets per position, all-reduced by the loop into the global
+normaliser), then `loss` (differentiable scalar + additive metric sums), and for held-out data
+`eval_sums` (additive, all-reduced) then `summarize` (floats, must contain "sim_tau"). Metric sums are
+1-D tensors of length `positions` (TTT step k, or position k inside a DFlash block) keyed "<name>_sum",
+plus the denominator "n_valid_k"; the loop reports "<name>_k" = sum / n_valid_k. So a new drafter
+(method.md §2, §4, §5) is a new model file + a new objective, never a new train loop.
+
+Methods: "eagle3" (train/ttt.py, TTT unroll), "eagle1" (train/eagle1.py), "dflash" (train/dflash.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+from torch import Tensor, nn
+
+from train.batch import Batch
+from train.config import RunConfig
+
+
+class Objective(Protocol):
+    method: str
+    positions: int  # length of the per-position metric vectors
+    # Sub-modules of the drafter the loss calls a data-dependent number of times (kept gathered by ZeRO-3).
+    keep_gathered: tuple[str, ...]
+
+    def build_drafter(self, prep_dir: Path, tap_layers: list[int], head: nn.Module) -> nn.Module:
+        """A freshly initialised drafter (the caller seeds first) with the target's frozen pieces set."""
+        ...
+
+    def count(self, module: nn.Module, head: nn.Module, batch: Batch) -> tuple[Tensor, Any]:
+        """(int64 [positions] loss-target counts of this batch, state handed to `loss` for this batch)."""
+        ...
+
+    def loss(
+        self, module: nn.Module, head: nn.Module, batch: Batch, normalizer: Tensor, state: Any
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """(scalar loss normalised by the global `normalizer` [positions], additive metric sums)."""
+        ...
+
+    def eval_sums(self, module: nn.Module, head: nn.Module, batches: Iterable[Batch]) -> dict[str, Tensor]:
+        """Additive held-out counts (CPU tensors); the loop adds them over ranks."""
+        ...
+
+    def summarize(self, sums: dict[str, Tensor]) -> dict:
+        """Floats from `eval_sums` (at least "sim_tau" and "acc_k")."""
+        ...
+
+
+METHODS = ("eagle3", "eagle1", "dflash")
+
+
+def make_objective(cfg: RunConfig) -> Objective:
+    """The objective of `cfg.model.method`, configured from the run config."""
+    method = cfg.model.method
+    if method == "eagle3":
+        from train.ttt import Eagle3Objective
+
+        return Eagle3Objective.from_config(cfg)
+    if method == "eagle1":
+        from train.eagle1 import Eagle1Objective
+
+        return Eagle1Objective.from_config(cfg)
+    if method == "dflash":
+        from train.dflash import DFlashObjective
+
+        return DFlashObjective.from_config(cfg)
+    raise ValueError(f"model.method={method!r} is not one of {list(METHODS)}")
