@@ -45,17 +45,24 @@ def stop_token_ids(model, tokenizer, template_kwargs: dict | None = None) -> tup
 
 
 def load_drafter(export_dir: str, target_model, device: str, dtype: torch.dtype):
-    from models.export import load_export
+    """Any family's export (models/registry.py), with the target's frozen tensors (embedding, LM head)."""
+    from models.registry import family_of_export
 
+    raw = json.loads((Path(export_dir) / "config.json").read_text())
     embed = target_model.get_input_embeddings().weight
     text_cfg = target_model.config.get_text_config()
-    drafter = load_export(export_dir, embed_weight=embed.detach().cpu(),
-                          target_num_layers=int(text_cfg.num_hidden_layers), dtype=dtype)
+    head = target_model.get_output_embeddings()
+    weights = {"embed_tokens.weight": embed.detach().cpu()}
+    if head is not None:
+        weights["lm_head.weight"] = head.weight.detach().cpu()
+    drafter = family_of_export(raw).load_export(
+        export_dir, target_weights=weights, target_num_layers=int(text_cfg.num_hidden_layers), dtype=dtype
+    )
     drafter = drafter.to(device=device).eval().requires_grad_(False)
     if drafter.cfg.vocab_size != embed.shape[0]:
         raise ValueError(f"drafter vocab_size {drafter.cfg.vocab_size} != target vocab {embed.shape[0]}: "
                          "the drafter was trained for another target")
-    tgt_h = drafter.cfg.target_hidden_size or drafter.cfg.hidden_size
+    tgt_h = getattr(drafter.cfg, "target_hidden_size", None) or drafter.cfg.hidden_size
     if tgt_h != text_cfg.hidden_size:
         raise ValueError(f"drafter expects target hidden size {tgt_h}, target has {text_cfg.hidden_size}")
     return drafter
@@ -79,7 +86,7 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     preset = resolve_target(cfg.target)
     model, tokenizer = load_target(preset, dtype=cfg.dtype, device=device)
     drafter = load_drafter(cfg.drafter, model, device, next(model.parameters()).dtype)
-    runner = TargetRunner(model, drafter.cfg.aux_layer_ids)
+    runner = TargetRunner(model, drafter.tap_layers)
     template_kwargs = {} if preset.enable_thinking is None else {"enable_thinking": preset.enable_thinking}
     eos = stop_token_ids(model, tokenizer, template_kwargs)
     params = SamplingParams(d.temperature, d.top_p, d.top_k)

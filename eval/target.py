@@ -9,6 +9,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+# Tap id of the target's top-layer feature AFTER its final norm, the vector its LM head reads (EAGLE-1's input).
+FINAL_FEATURE = -1
+
 
 @dataclass
 class TargetOutput:
@@ -27,7 +30,7 @@ class TargetRunner:
         text = model.config.get_text_config()
         num_layers = int(text.num_hidden_layers)
         for i in self.tap_layers or []:
-            if not 0 <= i < num_layers:
+            if not (0 <= i < num_layers or i == FINAL_FEATURE):
                 raise ValueError(f"tap layer {i} outside the target's {num_layers} decoder layers")
         # Hybrid targets (gpt-oss, Qwen2 with sliding layers) take a {layer type: mask} dict for custom masks.
         layer_types = list(getattr(text, "layer_types", None) or [])
@@ -90,8 +93,10 @@ class TargetRunner:
         )
         taps = None
         if want_taps:
-            # HF hidden_states[0] is the embedding output, so decoder layer i's output is entry i + 1.
-            taps = torch.cat([out.hidden_states[i + 1][0] for i in self.tap_layers], dim=-1)
+            # HF hidden_states[0] is the embedding output, so decoder layer i's output is entry i + 1; the
+            # last entry is after the final norm (the LM head's input): FINAL_FEATURE.
+            taps = torch.cat([out.hidden_states[i + 1 if i != FINAL_FEATURE else -1][0] for i in self.tap_layers],
+                             dim=-1)
         return TargetOutput(logits=out.logits[0], taps=taps)
 
 

@@ -119,6 +119,11 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("t2d", t2d)
 
     @property
+    def tap_layers(self) -> list[int]:
+        """The target layers whose outputs `fuse` takes, in concat order (0-based decoder layers)."""
+        return list(self.cfg.aux_layer_ids)
+
+    @property
     def attn_backend(self) -> str:
         return self.midlayer.self_attn.backend
 

@@ -82,9 +82,13 @@ def load_export(
     target_num_layers: int | None = None,
     attn_backend: str = "auto",
     dtype: torch.dtype = torch.float32,
+    target_weights: dict[str, Tensor] | None = None,
 ) -> Eagle3Drafter:
-    """embed_weight: the target's [V, H] embedding (wins over one stored in the checkpoint).
-    target_num_layers: needed only for configs without eagle_aux_hidden_state_layer_ids."""
+    """embed_weight (or target_weights["embed_tokens.weight"]): the target's [V, H] embedding (wins over one
+    stored in the checkpoint). target_num_layers: needed only for configs without
+    eagle_aux_hidden_state_layer_ids. Other target_weights (the target's LM head) are not used by EAGLE-3."""
+    if embed_weight is None and target_weights is not None:
+        embed_weight = target_weights.get(EMBED_KEY)
     from models.registry import DRAFTERS
 
     d = Path(export_dir)
