@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.attention import DecodeCache, TTTCache, ttt_attention
+from models.attention import AttnCore, DecodeCache, TTTCache, ttt_core
 from models.config import Eagle3Config
 from models.rope import RotaryEmbedding, apply_rope
 
@@ -37,16 +37,21 @@ class RMSNorm(nn.Module):
 
 
 class Eagle3Attention(nn.Module):
-    def __init__(self, cfg: Eagle3Config, backend: str, options: dict[str, Any]) -> None:
+    """Llama attention over a TTTCache (training) or a DecodeCache (drafting). `in_features`: the width of
+    its input stream, 2H for EAGLE-3's [embeds, hidden] (the default), H for EAGLE-1."""
+
+    def __init__(self, cfg: Any, backend: str, options: dict[str, Any], in_features: int | None = None) -> None:
         super().__init__()
         assert cfg.head_dim is not None
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = self.head_dim**-0.5
         self.backend, self.options = backend, options
-        # q/k/v read the concatenated [embeds, hidden] stream: input 2H
-        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        # Replaceable from outside (e.g. sequence parallelism); see models.attention.ttt_core.
+        self.attn_core: AttnCore = ttt_core
+        d_in = in_features or 2 * cfg.hidden_size
+        self.q_proj = nn.Linear(d_in, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d_in, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d_in, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(
@@ -62,14 +67,13 @@ class Eagle3Attention(nn.Module):
         else:
             if attn_mask is not None:
                 raise ValueError("attn_mask is only meaningful with a DecodeCache; TTT masks are implicit")
-            cache.append(k, v)
-            out = ttt_attention(q, cache.keys, cache.values, self.scale, self.backend, **self.options)
+            out = self.attn_core(q, k, v, cache, self.scale, self.backend, **self.options)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, Hq*D)
         return self.o_proj(out)
 
 
 class Eagle3MLP(nn.Module):
-    def __init__(self, cfg: Eagle3Config) -> None:
+    def __init__(self, cfg: Any) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)

@@ -71,7 +71,7 @@ FAMILIES: dict[str, DrafterFamily] = {
     ),
     "eagle1": DrafterFamily(
         "eagle1", "models.eagle1", "Eagle1Config", "Eagle1Drafter", "models.eagle1",
-        ("EagleLlamaForCausalLM",), ("embed_tokens.weight", "lm_head.weight"),
+        ("LlamaForCausalLM", "EagleLlamaForCausalLM"), ("embed_tokens.weight", "lm_head.weight"),
     ),
     "dflash": DrafterFamily(
         "dflash", "models.dflash", "DFlashConfig", "DFlashDrafter", "models.dflash",
