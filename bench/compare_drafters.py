@@ -1,0 +1,190 @@
+#!/usr/bin/env python
+"""Drafters side by side: the same prepared data, the same optimisation budget, the same MT-bench decoding.
+
+    python bench/compare_drafters.py --suite quality --prep outputs/prep/quality --out outputs/bench/quality
+    python bench/compare_drafters.py --suite dflash  --prep outputs/prep/smollm2-135m-instruct --out outputs/bench/dflash
+
+Suites (variants = Hydra overrides on top of `+exp=<suite's exp>`, which fixes data, steps and lr for all):
+- quality: the EAGLE-3 paper's ablation: EAGLE-1 (top-layer feature, feature regression + token CE), EAGLE-3
+  without training-time test (K = 1) and EAGLE-3 with K = 7, λ = 0.8 (method.md §2, §4);
+- dflash: DFlash (block diffusion, method.md §5) against EAGLE-3 K = 7;
+- teacher: EAGLE-3 K = 7 trained on the exact teacher vs the compact ones (top-k logits, argmax labels).
+Per variant: train (torchrun, `--nproc` processes, DeepSpeed as configured) -> the run's export -> launch/eval.py
+for every decoding mode x temperature (MT-bench prompts the training never saw; plain decoding of the same
+prompts in the same run gives the speedup). Every stage is skipped when its output exists, so an interrupted
+benchmark resumes. Writes <out>/compare.json, <out>/compare.md and <out>/per_position.png (all variants,
+one panel per mode x temperature), and prints the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SUITES: dict[str, dict] = {
+    "quality": {
+        "exp": "quality",
+        "variants": {
+            "eagle1": ["model=eagle1", "train.ttt_steps=1"],
+            "eagle3_k1": ["train.ttt_steps=1"],
+            "eagle3_k7": ["train.ttt_steps=7", "train.loss_decay=0.8"],
+        },
+    },
+    "dflash": {
+        "exp": "quality",
+        "variants": {
+            "dflash": ["model=dflash"],
+            "eagle3_k7": ["train.ttt_steps=7", "train.loss_decay=0.8"],
+        },
+    },
+    # Compact teachers (issue: long context): the same conversations captured with each teacher kind
+    # (`make prep ... capture.teacher=topk` into <prep>-topk, `=argmax` into <prep>-argmax), trained alike;
+    # held-out metrics always against the exact teacher: <prep>-topk/eval must be <prep>/eval (a symlink).
+    "teacher": {
+        "exp": "quality",
+        "variants": {
+            "hidden": [],
+            "topk": ["data.dir={prep}-topk"],
+            "argmax": ["data.dir={prep}-argmax"],
+        },
+    },
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", choices=sorted(SUITES), default="quality")
+    p.add_argument("--prep", required=True, help="a prep output dir (make prep)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--variants", default=None, help="comma-separated subset of the suite's variants")
+    p.add_argument("--nproc", type=int, default=2, help="training processes (torchrun)")
+    p.add_argument("--train-args", default="", help="extra Hydra overrides for every training run")
+    p.add_argument("--modes", default="tree,chain", help="decoding modes evaluated online ('' = none)")
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--num-prompts", type=int, default=10)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--eval-args", default="", help="extra overrides for every launch/eval.py run")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the eval runs")
+    return p.parse_args(argv)
+
+
+def _run(cmd: list[str], log: Path) -> None:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode:
+        raise SystemExit(f"failed ({proc.returncode}) after {time.perf_counter() - t0:.0f} s: {' '.join(cmd)}\n"
+                         f"see {log}")
+
+
+def train(args: argparse.Namespace, name: str, overrides: list[str], exp: str) -> dict:
+    run_dir = Path(args.out) / name
+    summary = run_dir / "summary.json"
+    if not (summary.exists() and json.loads(summary.read_text()).get("finished")):
+        torchrun = str(Path(sys.executable).with_name("torchrun"))
+        prep = str(Path(args.prep).resolve())
+        overrides = [o.format(prep=prep) for o in overrides]
+        data = [] if any(o.startswith("data.dir=") for o in overrides) else [f"data.dir={prep}"]
+        cmd = [torchrun, "--standalone", "--nproc_per_node", str(args.nproc), "launch/train.py", f"+exp={exp}",
+               *data, f"out_dir={run_dir.resolve()}", *overrides, *args.train_args.split()]
+        print(f"[{name}] train: {' '.join(cmd)}", flush=True)
+        _run(cmd, run_dir / "bench_train.log")
+    return json.loads(summary.read_text())
+
+
+def evaluate(args: argparse.Namespace, name: str, mode: str, temperature: float) -> dict:
+    out = Path(args.out) / name / f"eval_{mode}_t{temperature:g}"
+    report = out / "report.json"
+    if not report.exists():
+        cmd = [sys.executable, "launch/eval.py", f"drafter={(Path(args.out) / name / 'export').resolve()}",
+               f"out_dir={out.resolve()}", f"decode.mode={mode}", f"decode.temperature={temperature}",
+               f"decode.num_prompts={args.num_prompts}", f"decode.max_new_tokens={args.max_new_tokens}",
+               f"threads={args.threads}", *args.eval_args.split()]
+        print(f"[{name}] eval {mode} T={temperature:g}", flush=True)
+        _run(cmd, out.with_suffix(".log"))
+    return json.loads(report.read_text())
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({key for r in results.values() for key in r["decode"]})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for name, r in results.items():
+            rep = r["decode"].get(panel)
+            if rep is None:
+                continue
+            alphas = rep["per_position_acceptance"]
+            xs = [i for i, a in enumerate(alphas) if a is not None]
+            ax.plot(xs, [alphas[i] for i in xs], marker="o", label=f"{name} (τ {rep['tau_pooled']:.2f})")
+        ax.set_title(panel)
+        ax.set_xlabel("draft depth n")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("α_n = P(accept | all before accepted)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def table(results: dict) -> str:
+    panels = sorted({key for r in results.values() for key in r["decode"]})
+    head = "| variant | held-out sim τ | " + " | ".join(f"τ {p} | speedup {p}" for p in panels) + " |"
+    lines = [head, "|" + "---|" * (2 + 2 * len(panels))]
+    for name, r in results.items():
+        cells = [name, f"{r['sim_tau']:.3f}" if r["sim_tau"] is not None else "-"]
+        for p in panels:
+            rep = r["decode"].get(p)
+            cells += [f"{rep['tau_pooled']:.3f}", f"{rep['speedup']:.2f}x"] if rep else ["-", "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    suite = SUITES[args.suite]
+    variants = suite["variants"]
+    if args.variants:
+        variants = {k: variants[k] for k in args.variants.split(",")}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    for name, overrides in variants.items():
+        summary = train(args, name, overrides, suite["exp"])
+        ev = summary.get("eval") or {}
+        results[name] = {"overrides": overrides, "train_wall_s": summary.get("wall_s"), "steps": summary.get("steps"),
+                         "sim_tau": ev.get("sim_tau"), "acc_k": ev.get("acc_k"), "alpha_k": ev.get("alpha_k"),
+                         "decode": {}}
+        for mode in filter(None, args.modes.split(",")):
+            for temperature in map(float, args.temperatures.split(",")):
+                rep = evaluate(args, name, mode, temperature)
+                keep = ("tau_pooled", "tau_per_request_mean", "per_position_acceptance", "speedup", "tokens_per_s",
+                        "num_prompts")
+                results[name]["decode"][f"{mode} T={temperature:g}"] = {k: rep.get(k) for k in keep}
+    record = {"suite": args.suite, "prep": str(args.prep), "nproc": args.nproc, "train_args": args.train_args,
+              "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "results": results}
+    (out / "compare.json").write_text(json.dumps(record, indent=1) + "\n")
+    (out / "compare.md").write_text(table(results))
+    plot(results, out / "per_position.png")
+    print(json.dumps(record))
+    print(table(results))
+    return record
+
+
+if __name__ == "__main__":
+    main()
