@@ -291,6 +291,23 @@ def flex_attention(q: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor], 
     return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
+# ------------------------------------------------------------------------------------------ the core hook
+AttnCore = Callable[..., Tensor]
+
+
+def ttt_core(
+    q: Tensor, k: Tensor, v: Tensor, cache: TTTCache, scale: float, backend: str = "auto", **options: Any
+) -> Tensor:
+    """One TTT step's attention core: append this step's k/v (B, Hkv, T, D) to `cache`, attend q (B, Hq, T, D).
+
+    A drafter calls it through an attribute (`attn_core`) rather than by name, so that parallelism can be
+    applied from outside by replacing that attribute (train/sequence_parallel.py wraps it in an all-to-all
+    that hands it the whole sequence for a subset of heads); the model itself never learns about it.
+    """
+    cache.append(k, v)
+    return ttt_attention(q, cache.keys, cache.values, scale, backend, **options)
+
+
 # ---------------------------------------------------------------------------------------------- caches
 class TTTCache:
     """Per-step keys/values of one TTT unroll: entry 0 from step 0 (causal), entry j from step j (diagonal)."""

@@ -32,8 +32,20 @@ def drafter_config(cfg: ModelConfig, prep_dir: Path, tap_layers: list[int], max_
     d2t, _ = draft_vocab(prep_dir)
     overrides = {k: getattr(cfg, k) for k in GEOMETRY_OVERRIDES if getattr(cfg, k) is not None}
     dcfg = Eagle3Config.from_target_config(target, draft_vocab_size=d2t.numel(), aux_layer_ids=tap_layers, **overrides)
+    # The export must declare at least the trained length (engines size their RoPE caches by it), and the
+    # target's rope scaling, pinned so that the larger max_position_embeddings cannot change the rotation.
     max_pos = cfg.max_position_embeddings or max(max_len, dcfg.max_position_embeddings)
-    return dataclasses.replace(dcfg, max_position_embeddings=max_pos)
+    rope = pinned_rope_scaling(dcfg.rope_scaling, dcfg.max_position_embeddings)
+    return dataclasses.replace(dcfg, max_position_embeddings=max_pos, rope_scaling=rope)
+
+
+def pinned_rope_scaling(scaling: dict | None, target_max_pos: int) -> dict | None:
+    """`scaling` with what it derives from max_position_embeddings made explicit: YaRN without a `factor`
+    uses max_position_embeddings / original_max_position_embeddings (transformers, models/rope.py), which
+    would follow the drafter's own max_position_embeddings instead of the target's."""
+    if not scaling or scaling.get("rope_type") != "yarn" or scaling.get("factor"):
+        return scaling
+    return {**scaling, "factor": target_max_pos / scaling["original_max_position_embeddings"]}
 
 
 def build_drafter(cfg: ModelConfig, prep_dir: Path, tap_layers: list[int], max_len: int, head) -> nn.Module:

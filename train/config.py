@@ -22,6 +22,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 PRECISIONS = ("auto", "bf16", "fp32")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 WANDB_MODES = ("offline", "online", "disabled")
+OVERFLOW = ("truncate", "split")
 
 
 class ConfigError(ValueError):
@@ -41,12 +42,26 @@ class ModelConfig:
     rope_theta: float | None = None
     # max_position_embeddings written into the export; None = max(data.max_len, target's).
     max_position_embeddings: int | None = None
+    # DFlash (model.method=dflash, models/dflash.py); None = the method's default. Other methods ignore them.
+    num_layers: int | None = None  # drafter decoder layers; None = 5
+    block_size: int | None = None  # B = [last accepted token, MASK x (B - 1)]; None = 16
+    # A reserved target token id for MASK; None = "<|MASK|>" if the tokenizer has it, else the first
+    # embedding row past the tokenizer, else its last special token the chat template does not use.
+    mask_token_id: int | None = None
+    # Target layers the drafter reads, in concat order; they must be in the shards (a prep may carry more:
+    # the objective takes its columns). None = 5 layers evenly spaced in [1, L - 3].
+    tap_layers: list[int] | None = None
 
 
 @dataclass
 class DataConfig:
     dir: str = MISSING  # a prep output dir: train/, eval/, draft_vocab.safetensors, target_head.safetensors
-    max_len: int = 2048  # samples are truncated to this many tokens
+    max_len: int = 2048  # tokens per sample; longer samples are cut per `overflow`
+    # truncate: keep the first max_len tokens (the rest is never trained). split: consecutive windows of
+    # max_len tokens, each later one overlapping the previous by split_overlap tokens, whose loss it does
+    # not count again (train/data.py `windows`: every target is trained once, none is lost).
+    overflow: str = "truncate"
+    split_overlap: int = 256  # >= train.ttt_steps + 1, or (token, TTT step) pairs at window starts are lost
     # Samples per GLOBAL micro-batch, split evenly over the ranks: the sequence of global batches does
     # not depend on the world size, which is what makes 1-vs-N runs and N->M resumes line up.
     batch_size: int = 8
@@ -86,6 +101,10 @@ class TrainConfig:
     resume: bool = False  # continue from <out_dir>/checkpoints/latest if it exists
     seed: int = 0
     log_interval: int = 1  # optimizer steps between metrics.jsonl lines
+    # DFlash (train/dflash.py): blocks (anchors) drawn per sequence, capped by the response positions it
+    # has; block position k's CE is weighted exp(-(k - 1) / gamma) (7 for B = 16; the paper: 5 for B = 10).
+    dflash_anchors: int = 512
+    dflash_gamma: float = 7.0
     export: bool = True  # write <run_dir>/export/ at the end
 
 
@@ -105,6 +124,10 @@ class DeepSpeedConfig:
     stage3_prefetch_bucket_size: int = 0
     stage3_max_reuse_distance: int = 0
     stage3_param_persistence_threshold: int = 100_000
+    # Ulysses sequence parallelism (train/sequence_parallel.py): each sample's sequence is split over groups
+    # of this many consecutive ranks; data parallelism runs over the world / this groups. It must divide
+    # the world size and the drafter's attention and kv head counts. 1 = off.
+    sequence_parallel_size: int = 1
     extra: dict[str, Any] = field(default_factory=dict)  # merged last into the DeepSpeed config dict
 
 
@@ -151,6 +174,7 @@ class RunConfig:
         _one_of("deepspeed.zero_stage", ds.zero_stage, (0, 1, 2, 3))
         _one_of("logger.wandb_mode", lg.wandb_mode, WANDB_MODES)
         _one_of("data.verify", d.verify, ("lazy", "eager", "none"))
+        _one_of("data.overflow", d.overflow, OVERFLOW)
         for key, value in [
             ("data.max_len", d.max_len),
             ("data.batch_size", d.batch_size),
@@ -162,6 +186,7 @@ class RunConfig:
             ("train.chunk_size", t.chunk_size),
             ("train.log_interval", t.log_interval),
             ("train.keep_checkpoints", t.keep_checkpoints),
+            ("deepspeed.sequence_parallel_size", ds.sequence_parallel_size),
         ]:
             if value < 1:
                 raise ConfigError(f"{key} must be >= 1, got {value}")
@@ -202,16 +227,23 @@ class RunConfig:
                 f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of "
                 f"model.num_key_value_heads ({m.num_key_value_heads})"
             )
+        self._validate_long_context()
         if world_size is not None:
+            sp = ds.sequence_parallel_size
+            if world_size % sp:
+                raise ConfigError(f"deepspeed.sequence_parallel_size={sp} must divide the world size {world_size}")
+            data_ranks = world_size // sp
+            what = f"the world size {world_size}" if sp == 1 else f"the data-parallel size {data_ranks}"
             for key, value in [
                 ("data.batch_size", d.batch_size),
                 ("data.eval_batch_size", d.eval_batch_size),
             ]:
-                if value % world_size:
+                if value % data_ranks:
                     raise ConfigError(
-                        f"{key}={value} must be a multiple of the world size {world_size}: each global batch "
+                        f"{key}={value} must be a multiple of {what}: each global batch "
                         "is split evenly over the ranks"
                     )
+        self._validate_dflash()
         if ds.cpu_shm_comm and ds.dist_backend == "nccl":
             warnings.warn("deepspeed.cpu_shm_comm has no effect with the nccl backend", stacklevel=2)
         if t.eval_interval and t.max_steps and t.eval_interval > t.max_steps:
@@ -220,6 +252,47 @@ class RunConfig:
                 stacklevel=2,
             )
         return self
+
+    def _validate_long_context(self) -> None:
+        """data.overflow=split and deepspeed.sequence_parallel_size (the parts without a world size)."""
+        m, d, t, sp = self.model, self.data, self.train, self.deepspeed.sequence_parallel_size
+        if d.overflow == "split":
+            if not 0 <= d.split_overlap < d.max_len:
+                raise ConfigError(f"data.split_overlap={d.split_overlap} must be in [0, data.max_len={d.max_len})")
+            if d.split_overlap < t.ttt_steps + 1:
+                warnings.warn(f"data.split_overlap={d.split_overlap} < train.ttt_steps + 1: the first TTT steps "
+                              "of targets at the start of each later window are never trained", stacklevel=3)
+        if sp > 1:
+            if m.method != "eagle3":
+                raise ConfigError(f"deepspeed.sequence_parallel_size={sp} needs model.method=eagle3 (the drafter "
+                                  f"whose attention it parallelises), got {m.method!r}")
+            for key, heads in [("model.num_attention_heads", m.num_attention_heads),
+                               ("model.num_key_value_heads", m.num_key_value_heads)]:
+                if heads is not None and heads % sp:  # None: the target's, checked when the drafter is built
+                    raise ConfigError(f"deepspeed.sequence_parallel_size={sp} must divide {key}={heads}")
+
+    def _validate_dflash(self) -> None:
+        """The DFlash keys: ranges, and a warning where they are set for a method that ignores them."""
+        m, t = self.model, self.train
+        for key, value, low in [("model.num_layers", m.num_layers, 1), ("model.block_size", m.block_size, 2),
+                                ("model.mask_token_id", m.mask_token_id, 0)]:
+            if value is not None and value < low:
+                raise ConfigError(f"{key} must be >= {low} or null, got {value}")
+        if m.tap_layers is not None and (not m.tap_layers or min(m.tap_layers) < 0
+                                         or len(set(m.tap_layers)) != len(m.tap_layers)):
+            raise ConfigError(f"model.tap_layers must be distinct 0-based layer ids or null, got {m.tap_layers}")
+        if t.dflash_anchors < 1:
+            raise ConfigError(f"train.dflash_anchors must be >= 1, got {t.dflash_anchors}")
+        if not t.dflash_gamma > 0:
+            raise ConfigError(f"train.dflash_gamma must be > 0, got {t.dflash_gamma}")
+        if m.method != "dflash":
+            unused = [k for k in ("num_layers", "block_size", "mask_token_id", "tap_layers") if getattr(m, k) is not None]
+            if unused:
+                warnings.warn(f"model.{', model.'.join(unused)}: DFlash-only, ignored with model.method={m.method}",
+                              stacklevel=3)
+        elif m.attn_backend != "auto":
+            warnings.warn("model.attn_backend has no effect with model.method=dflash (SDPA with explicit "
+                          "block masks on every device)", stacklevel=3)
 
 
 def _check_keys(node: Any, schema: type, prefix: str) -> None:

@@ -11,12 +11,16 @@ Length bucketing: the epoch's permutation is cut into pools of `bucket_pool` bat
 sorted by length and cut into batches, and the batch order is shuffled, so a batch holds samples of
 similar length (little padding) while the epoch stays random. Incomplete batches are dropped
 (train and eval alike), so the data seen never depends on the world size.
+
+Samples longer than data.max_len: `truncate` (the default, unchanged behaviour) keeps the first max_len
+tokens; `split` cuts them into overlapping windows (`windows`), each window an item of its own for the
+sampler, so a 100K-token sample trains all its targets instead of the first 40K.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -57,6 +61,51 @@ def global_batches(
     return [batches[i] for i in order]
 
 
+def windows(length: int, max_len: int, overlap: int) -> list[int]:
+    """Start offsets of the windows a `length`-token sample is split into (data.overflow=split).
+
+    The rule: windows of max_len tokens with stride max_len - overlap, the last one possibly shorter; a
+    window is added while the previous one ends before the sample does. In every window but the first,
+    the first `overlap` tokens are context only (`window` clears their loss mask): the previous window
+    already trained them, with more context. So each token is a loss target in exactly one window, the
+    targets of window w being tokens [(w-1)·stride + max_len, w·stride + max_len), and with
+    overlap >= K + 1 even each (token, TTT step) pair is: step k predicts token i of a window from the
+    window's position i - k - 2 >= 0 (train/ttt.py), which holds for every i >= overlap.
+
+    Why overlap rather than disjoint windows: the drafter's own attention starts afresh at each window
+    (the target's taps and teacher keep their full-sample context, they were captured on the whole
+    sample). Disjoint windows would train a later window's first tokens with almost no drafter context,
+    which inference never shows it, and would lose the first TTT steps of its first K + 1 tokens; the
+    overlap costs overlap / max_len extra tokens per extra window (2048 / 40960 = 5% in eagle3_ttt_40k).
+    """
+    if not 0 <= overlap < max_len:
+        raise ValueError(f"overlap must be in [0, max_len={max_len}), got {overlap}")
+    starts = [0]
+    while starts[-1] + max_len < length:
+        starts.append(starts[-1] + max_len - overlap)
+    return starts
+
+
+def window(sample, start: int, max_len: int, overlap: int):
+    """Tokens start .. start+max_len-1 of a sample (a dataclass of [T, ...] tensors) as a sample of its own;
+    a window after the first (start > 0) has no loss on its first `overlap` tokens (see `windows`)."""
+    if not is_dataclass(sample):
+        raise TypeError(f"window() needs a dataclass sample, got {type(sample).__name__}")
+    n = len(sample.input_ids)
+
+    def cut(x):
+        per_token = isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == n
+        return x[start : start + max_len] if per_token else x
+
+    out = replace(sample, **{f.name: cut(getattr(sample, f.name)) for f in fields(sample)})
+    if start > 0:
+        out.loss_mask = out.loss_mask.clone()
+        out.loss_mask[:overlap] = False
+    if hasattr(out, "sample_id"):
+        out.sample_id = f"{out.sample_id}@{start}"
+    return out
+
+
 def rank_part(batch: list[int], rank: int, world_size: int) -> list[int]:
     return batch[rank::world_size]
 
@@ -78,17 +127,21 @@ def pad_to(batch: Batch, length: int) -> Batch:
 
 
 class _Indexed(Dataset):
-    """Items are (sample index, padded length) pairs, so collate knows the global batch's length."""
+    """Items are (item index, padded length) pairs, so collate knows the global batch's length. An item is
+    a (sample index, window start) pair: window start 0 = the sample from its beginning (truncated by
+    collate in `truncate` mode), else a later window of a split sample."""
 
-    def __init__(self, shards: ShardSet):
-        self.shards = shards
+    def __init__(self, shards: ShardSet, items: list[tuple[int, int]], max_len: int, overlap: int):
+        self.shards, self.items, self.max_len, self.overlap = shards, items, max_len, overlap
 
     def __len__(self) -> int:
-        return len(self.shards)
+        return len(self.items)
 
     def __getitem__(self, item: tuple[int, int]):
         index, length = item
-        return self.shards[index], length
+        sample, start = self.items[index]
+        s = self.shards[sample]
+        return (window(s, start, self.max_len, self.overlap) if start else s), length
 
 
 def _collate(items, max_len: int) -> Batch:
@@ -118,7 +171,12 @@ class ShardBatches:
             seed,
         )
         # max_samples: only the first samples of the split take part (a fixed held-out subset).
-        self.lengths = [min(n, cfg.max_len) for n in self.shards.lengths()[:max_samples]]
+        lengths = self.shards.lengths()[:max_samples]
+        if cfg.overflow == "split":
+            self.items = [(i, s) for i, n in enumerate(lengths) for s in windows(n, cfg.max_len, cfg.split_overlap)]
+        else:
+            self.items = [(i, 0) for i in range(len(lengths))]
+        self.lengths = [min(lengths[i] - s, cfg.max_len) for i, s in self.items]  # per item
         if batch_size % world_size:
             raise ValueError(f"batch size {batch_size} is not a multiple of the world size {world_size}")
         if len(self.lengths) < batch_size:
@@ -147,7 +205,7 @@ class ShardBatches:
             for batch in order[start:]
         ]
         loader = DataLoader(
-            _Indexed(self.shards),
+            _Indexed(self.shards, self.items, self.cfg.max_len, self.cfg.split_overlap),
             batch_sampler=plan,
             collate_fn=partial(_collate, max_len=self.cfg.max_len),
             num_workers=self.cfg.num_workers,

@@ -20,17 +20,24 @@ Where this file reaches past DeepSpeed's public API (pinned by tests/test_train_
 - `_master`: ZeRO-0 + bf16 keeps per-parameter fp32 copies that safe_get/set_* do not map;
 - `_keep_gathered`: ZeRO-3 parameter persistence for the output head (see its docstring);
 - `init_distributed`: marks DeepSpeed's CPU shared-memory comm op unavailable (avoids a ~50 s JIT build).
+
+Sequence parallelism (train/sequence_parallel.py) takes DeepSpeed Ulysses' all-to-all attention from here
+(`ulysses_attention`). DeepSpeed itself is not told about the sequence-parallel groups: it treats every
+rank as data parallel and averages gradients over all of them, which with the trainer's loss * world
+scaling is the sum over ranks that a sequence split over ranks needs (each rank's gradient is its share).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import socket
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -84,6 +91,23 @@ def init_distributed(backend: str = "auto", cpu_shm_comm: bool = False) -> tuple
 def shutdown_distributed() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def ulysses_attention(local_attention: Callable[..., Tensor], group: Any) -> Callable[..., Tensor]:
+    """DeepSpeed Ulysses (deepspeed.sequence.layer.DistributedAttention) around `local_attention`.
+
+    The result is called as fn(q, k, v, **kwargs) with q/k/v (B, S/P, H, D) sharded by sequence over the P
+    ranks of `group` (rank r holds positions r*S/P..); it all-to-alls them to (B, S, H/P, D), the whole
+    sequence for rank r's heads r*H/P.. (contiguous blocks, so a GQA query head keeps its kv head when P
+    divides the kv head count), calls local_attention(q, k, v, **kwargs) on those and all-to-alls the
+    output back to (B, S/P, H, D). Backward runs the reverse all-to-alls: a collective, every rank of
+    `group` must run the same forward and backward.
+    """
+    from deepspeed.sequence.layer import DistributedAttention
+
+    # scatter heads (dim 2), gather sequence (dim 1); batch dim 0; RoPE is applied by the model beforehand.
+    attention = DistributedAttention(local_attention, group, scatter_idx=2, gather_idx=1)
+    return functools.partial(attention, batch_dim_idx=0)
 
 
 def device() -> torch.device:

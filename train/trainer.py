@@ -5,6 +5,12 @@ global normaliser, so the loss of a split batch equals the loss of the whole one
 engine.backward(loss * world_size) (DeepSpeed averages gradients over ranks; the scaling turns that
 back into the sum the global normaliser expects) -> engine.step(). An optimizer step happens at each
 accumulation boundary; metrics, evals and checkpoints count optimizer steps.
+
+Sequence parallelism (deepspeed.sequence_parallel_size = P > 1, train/sequence_parallel.py): the data is
+sharded over world / P data-parallel ranks (the P ranks of a group read the same batches), each rank
+trains its slice of every sequence (`sp.shard`), and the drafter's attention is wrapped before DeepSpeed
+sees the model. Counts, metrics and the loss * world scaling stay as they are: every rank is still one
+term of the global sums, and DeepSpeed still averages gradients over all ranks.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from train.data import Cursor, ShardBatches
 from train.engine import Engine, init_distributed
 from train.metrics import MetricsLogger, memory_stats
 from train.objective import Objective, make_objective
+from train.sequence_parallel import SequenceParallel, owned_tokens
 
 log = logging.getLogger("train")
 
@@ -79,24 +86,30 @@ class Window:
         return out
 
 
-def micro_step(engine: Engine, module, head, batch, objective: Objective, world: int) -> tuple[Tensor, tuple]:
-    """One micro-batch: forward, backward; returns the all-reduced packed metrics and their keys."""
-    batch = batch.to(engine.device, engine.dtype)
+def micro_step(
+    engine: Engine, module, head, batch, objective: Objective, world: int, sp: SequenceParallel | None = None
+) -> tuple[Tensor, tuple]:
+    """One micro-batch: forward, backward; returns the all-reduced packed metrics and their keys.
+    `sp`: this rank's sequence-parallel place (None = off)."""
+    batch = (sp or SequenceParallel()).shard(batch).to(engine.device, engine.dtype)
     counts, state = objective.count(module, head, batch)
     loss, sums = objective.loss(module, head, batch, _all_reduce(counts), state)
     engine.backward(loss * world)
     keys = tuple(sorted(sums))
     packed = torch.cat([
         loss.detach().double().cpu().view(1),
-        batch.valid.sum().double().cpu().view(1),
+        owned_tokens(batch).double().cpu().view(1),  # a slice's halo is its neighbour's
         *(sums[k].detach().double().cpu().reshape(-1) for k in keys),
     ])
     return _all_reduce(packed.to(engine.device)).cpu(), keys
 
 
-def evaluate(engine: Engine, module, head, data: ShardBatches, objective: Objective) -> dict:
+def evaluate(
+    engine: Engine, module, head, data: ShardBatches, objective: Objective, sp: SequenceParallel | None = None
+) -> dict:
     """Held-out metrics over the whole eval subset, every rank on its part, counts all-reduced."""
-    batches = (b.to(engine.device, engine.dtype) for b in data.epoch(0, shuffle=False))
+    shard = (sp or SequenceParallel()).shard
+    batches = (shard(b).to(engine.device, engine.dtype) for b in data.epoch(0, shuffle=False))
     sums = objective.eval_sums(module, head, batches)
     return objective.summarize({k: _all_reduce(v.to(engine.device)).cpu() for k, v in sums.items()})
 
@@ -143,15 +156,18 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
     t0 = time.perf_counter()
     rank, world = init_distributed(cfg.deepspeed.dist_backend, cfg.deepspeed.cpu_shm_comm)
     cfg.validate(world)
+    sp = SequenceParallel.from_config(cfg)  # collective: every rank creates every group
+    data_rank, data_world = sp.data_parallel(rank, world)
     t, run_dir, prep = cfg.train, Path(run_dir), Path(cfg.data.dir)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    train_data = ShardBatches(prep / "train", cfg.data, cfg.data.batch_size, rank, world, seed=t.seed)
+    train_data = ShardBatches(prep / "train", cfg.data, cfg.data.batch_size, data_rank, data_world, seed=t.seed)
     eval_data = None
     if (prep / "eval" / "manifest.json").exists():
         eval_data = ShardBatches(
-            prep / "eval", cfg.data, cfg.data.eval_batch_size, rank, world, max_samples=cfg.data.eval_max_samples
+            prep / "eval", cfg.data, cfg.data.eval_batch_size, data_rank, data_world,
+            max_samples=cfg.data.eval_max_samples,
         )
     steps_total = total_steps(cfg, train_data.batches_per_epoch)
     latest = checkpoint.latest(run_dir / "checkpoints") if t.resume else None
@@ -162,7 +178,7 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
     torch.manual_seed(t.seed)  # identical initial weights on every rank (ZeRO-3 partitions each rank's copy)
     head = load_head(prep)
     objective = make_objective(cfg)
-    drafter = objective.build_drafter(prep, train_data.manifest.tap_layers, head)
+    drafter = sp.apply(objective.build_drafter(prep, train_data.manifest.tap_layers, head))
     engine = Engine(cfg.deepspeed, t, steps_total)
     head.to(engine.device, engine.dtype)
     module = engine.prepare(
@@ -179,7 +195,7 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
     window, last_eval, last_saved, eval_metrics = None, -1, step, None
     tokens_total = 0
     if eval_data is not None and t.eval_interval and step == 0:
-        logger.log("eval", 0, evaluate(engine, module, head, eval_data, objective))  # the untrained baseline
+        logger.log("eval", 0, evaluate(engine, module, head, eval_data, objective, sp))  # the untrained baseline
     engine.train()
     while step < steps_total and (t.stop_after_steps is None or step < t.stop_after_steps):
         for batch in train_data.epoch(cursor.epoch, cursor.batch):
@@ -187,7 +203,7 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
             if cursor.batch == train_data.batches_per_epoch:
                 cursor = Cursor(cursor.epoch + 1, 0)
             lr = engine.lr
-            packed, keys = micro_step(engine, module, head, batch, objective, world)
+            packed, keys = micro_step(engine, module, head, batch, objective, world, sp)
             window = window or Window(keys, objective.positions)
             window.add(packed)
             if not engine.step():
@@ -201,7 +217,7 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
                                            **memory_stats()})
             logger.advance()
             if eval_data is not None and t.eval_interval and step % t.eval_interval == 0:
-                eval_metrics = evaluate(engine, module, head, eval_data, objective)
+                eval_metrics = evaluate(engine, module, head, eval_data, objective, sp)
                 logger.log("eval", step, eval_metrics)
                 engine.train()
                 last_eval = step
@@ -216,7 +232,7 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
     if last_saved != step:
         save_checkpoint(engine, module, run_dir, step, cursor, cfg)
     if finished and eval_data is not None and last_eval != step:
-        eval_metrics = evaluate(engine, module, head, eval_data, objective)
+        eval_metrics = evaluate(engine, module, head, eval_data, objective, sp)
         logger.log("eval", step, eval_metrics)
     if finished and t.export:
         export(engine, module, run_dir / "export", cfg.model.method)
@@ -226,6 +242,7 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
         "total_steps": steps_total,
         "epoch": cursor.epoch + cursor.batch / train_data.batches_per_epoch,
         "world_size": world,
+        "sequence_parallel_size": sp.size,
         "precision": engine.precision,
         "zero_stage": cfg.deepspeed.zero_stage,
         "method": cfg.model.method,

@@ -13,6 +13,11 @@ Loss normalisation (fixed): loss = Σ_k decay^k · CE_k, CE_k = (Σ over valid p
 −Σ_x p̃(x) log q_k(x)) / normalizer[k]. With normalizer None it is this batch's own count of valid
 positions of step k (clamped to >= 1), i.e. the mean over valid positions; a trainer passes the
 all-reduced global counts (`count_valid`) so that the loss of a split batch sums to the full one.
+
+Sequence slices (train/sequence_parallel.py): a batch may be one rank's slice of longer sequences, see
+`owned_span`. It computes the TTT steps of its owned start positions t only (RoPE at global positions),
+and its columns past them (a halo of K+1) supply the later tokens, teacher rows and masks those steps
+need; each (k, j) pair is then counted by exactly one slice, the one owning t = j-k-1.
 """
 
 from __future__ import annotations
@@ -60,17 +65,28 @@ def shifted_ids(input_ids: Tensor, shift: int) -> Tensor:
     return out
 
 
+def owned_span(batch: Batch) -> tuple[int, int]:
+    """(start, n): the batch's first n columns are the global positions start.. whose TTT steps it runs.
+
+    A plain Batch owns all its columns from position 0. A sequence-parallel slice
+    (train/sequence_parallel.SeqSlice) carries `start` and `owned`; its columns past `owned` are halo.
+    """
+    owned = getattr(batch, "owned", None)
+    return int(getattr(batch, "start", 0)), int(owned) if owned else int(batch.input_ids.shape[1])
+
+
 def target_rows(batch: Batch, steps: int) -> tuple[Tensor, Tensor, Tensor]:
     """Candidate target positions (b, j) and which steps can reach them.
 
     Candidates: j+1 is a real, loss-masked token. reachable[k, i]: step k predicts row i from the real
-    position t = j-k-1 >= 0. The in-draft-vocab condition is added where the teacher is evaluated.
+    position t = j-k-1 >= 0, which this batch owns (always, unless it is a slice: `owned_span`).
+    The in-draft-vocab condition is added where the teacher is evaluated.
     """
     cand = torch.zeros_like(batch.valid)
     cand[:, :-1] = batch.valid[:, 1:] & batch.loss_mask[:, 1:]
     b_idx, j_idx = cand.nonzero(as_tuple=True)
-    k = torch.arange(steps, device=j_idx.device)[:, None]
-    return b_idx, j_idx, j_idx[None, :] >= k + 1
+    t = j_idx[None, :] - torch.arange(steps, device=j_idx.device)[:, None] - 1  # [K, N] start position
+    return b_idx, j_idx, (t >= 0) & (t < owned_span(batch)[1])
 
 
 def _float_dtype(module: nn.Module) -> torch.dtype:
@@ -107,17 +123,19 @@ def new_ttt_cache():
 def unroll(drafter: nn.Module, batch: Batch, settings: TTTSettings, hidden: Tensor | None = None) -> list[Tensor]:
     """Run the K TTT steps; returns each step's drafter output a^{(k)} [B, T, H].
 
-    `hidden`: the step-0 feature stream [B, T, H]; None = drafter.fuse(batch.taps) (EAGLE-3)."""
+    `hidden`: the step-0 feature stream [B, T, H]; None = drafter.fuse(batch.taps) (EAGLE-3).
+    A slice (`owned_span`) runs its T = owned positions only, at their global RoPE positions."""
     ids = batch.input_ids
-    B, T = ids.shape
+    start, T = owned_span(batch)
+    B = ids.shape[0]
     if hidden is None:
-        hidden = drafter.fuse(batch.taps.to(_float_dtype(drafter)))
-    pos = torch.arange(T, device=ids.device).expand(B, T)
+        hidden = drafter.fuse(batch.taps[:, :T].to(_float_dtype(drafter)))
+    pos = torch.arange(start, start + T, device=ids.device).expand(B, T)
     cache = new_ttt_cache()
     outs = []
     for k in range(settings.steps):
         hidden = _forward_step(
-            drafter, hidden, shifted_ids(ids, k + 1), pos + k, cache, settings.checkpoint_layer
+            drafter, hidden, shifted_ids(ids, k + 1)[:, :T], pos + k, cache, settings.checkpoint_layer
         )
         outs.append(hidden)
     return outs
@@ -145,7 +163,8 @@ def _terms(
     maps = VocabMaps.from_drafter(drafter)
     b_idx, j_idx, reachable = target_rows(batch, settings.steps)
     hiddens = unroll(drafter, batch, settings, hidden)
-    rows = [h[b_idx, (j_idx - k - 1).clamp_min(0)] for k, h in enumerate(hiddens)]  # [N, H] per step
+    owned = owned_span(batch)[1]
+    rows = [h[b_idx, (j_idx - k - 1).clamp(0, owned - 1)] for k, h in enumerate(hiddens)]  # [N, H] per step
     del hiddens
     teacher = gather_teacher(batch, b_idx, j_idx)
     parts = output_head(drafter) if settings.fused_head else None
@@ -262,7 +281,9 @@ def _chain_counts(valid: Tensor, correct: Tensor, b_idx: Tensor, j_idx: Tensor, 
     """
     K = valid.shape[0]
     B, T = shape
-    dense_v = torch.zeros(K, B, T + K + 1, dtype=torch.bool, device=valid.device)
+    # A slice's halo rows lie past T + K (unreachable, so all invalid) when its halo exceeds K + 1.
+    width = max(T + K + 1, int(j_idx.max()) + 1 if j_idx.numel() else 0)
+    dense_v = torch.zeros(K, B, width, dtype=torch.bool, device=valid.device)
     dense_c = torch.zeros_like(dense_v)
     dense_v[:, b_idx, j_idx] = valid
     dense_c[:, b_idx, j_idx] = correct
@@ -294,16 +315,16 @@ def eval_sums(
         for batch in batches:
             batch = batch.to(device)
             t = _terms(drafter, head, batch, settings, hidden=None if step0 is None else step0(batch))
-            num, den = _chain_counts(
-                t["valid"], t["correct"], t["b_idx"], t["j_idx"], tuple(batch.input_ids.shape)
-            )
+            start, owned = owned_span(batch)
+            num, den = _chain_counts(t["valid"], t["correct"], t["b_idx"], t["j_idx"], (len(batch), owned))
             out["ce_sum"] += t["ce"].double().cpu()
             out["acc_sum"] += t["acc"].cpu()
             out["min_pq_sum"] += t["min_pq"].cpu()
             out["n_valid_k"] += t["valid"].sum(-1).cpu()
             out["alpha_num"] += num
             out["alpha_den"] += den
-            out["num_samples"] += len(batch)
+            if start == 0:  # a sample split over ranks counts once, on the rank owning its start
+                out["num_samples"] += len(batch)
     finally:
         drafter.train(was_training)
     return out
