@@ -38,10 +38,12 @@ SUITES: dict[str, dict] = {
             "eagle3_k7": ["train.ttt_steps=7", "train.loss_decay=0.8"],
         },
     },
+    # On ONE prep carrying both drafters' layers (`python -m train.dflash prep-taps <target>` prints them);
+    # EAGLE-3 picks its default three out of them. 32 blocks per sequence: +exp=dflash's CPU budget.
     "dflash": {
         "exp": "quality",
         "variants": {
-            "dflash": ["model=dflash"],
+            "dflash": ["model=dflash", "train.dflash_anchors=32"],
             "eagle3_k7": ["train.ttt_steps=7", "train.loss_decay=0.8"],
         },
     },

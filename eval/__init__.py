@@ -3,7 +3,8 @@
     sampling.py     warp_logits / target_probs shared by plain and speculative decoding; the lossless
                     acceptance rules (accept min(1, p/q), residual norm(max(0, p - q)), multi-candidate)
     tree.py         draft trees as flat tensors: top-m selection, ancestor masks, position ids
-    drafting.py     Eagle3Drafter catch-up, chain drafting, EAGLE-2 dynamic tree drafting
+    drafting.py     the drafting-strategy interface; EAGLE: catch-up, chain drafting, EAGLE-2 dynamic tree
+    dflash_drafting.py  DFlash: one block per step from the cached target context, verified as a chain
     target.py       HF CausalLM forward with feature taps and tree masks; KV surgery (keep_kv)
     spec_decode.py  SpeculativeDecoder.generate and plain_generate (token ids only), GenerationRecord
     metrics.py      τ pooled / per request, α_n, accepted-length histogram

@@ -1,4 +1,10 @@
-"""Drafting with an Eagle3Drafter: catch-up on verified tokens, then a chain or an EAGLE-2 dynamic tree.
+"""Drafting strategies behind SpeculativeDecoder, and EAGLE's: catch-up on verified tokens, then a chain
+or an EAGLE-2 dynamic tree.
+
+A strategy owns the drafter's state across one generation: `start` (after the prefill), `draft` (a
+DraftTree rooted at the last emitted token), `commit` (after a verify: the accepted tokens' target
+features). `make_strategy` picks EAGLE's (`EagleDrafting`, below) or DFlash's block drafting
+(eval/dflash_drafting.py) from the drafter.
 
 Position convention (method.md §4.2/§4.3): drafter position t holds (feature of x_t, embedding of
 x_{t+1}) and predicts x_{t+2}. With N tokens committed in the target's KV cache and root = x_N (the
@@ -9,11 +15,47 @@ N - 1 + d with its parent's output vector as `hidden` (features of unverified to
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import Tensor
 
 from eval.sampling import SamplingParams
 from eval.tree import DraftTree, chain_tree, select_top_m
+
+
+class DraftingStrategy(Protocol):
+    """How SpeculativeDecoder drafts; N = tokens in the target's KV cache, root = x_N (not in it yet)."""
+
+    depth: int  # the most draft tokens one step can accept (per-position acceptance has this length)
+    cache: object  # the drafter's KV cache (tests compare it with a fresh catch-up)
+
+    def start(self, prompt_ids: list[int], taps: Tensor, root: int) -> None:
+        """After the prefill: taps [N, n*H] are the target features of the prompt, root its next token."""
+        ...
+
+    def draft(self, root: int, prefix_len: int, params: SamplingParams, generator: torch.Generator | None) -> DraftTree:
+        ...
+
+    def commit(self, taps: Tensor, accepted: list[int], bonus: int, prefix_len: int) -> None:
+        """After a verify that kept the root and `accepted` (taps [1 + len(accepted), n*H], positions
+        prefix_len..) and emitted `bonus`, the next root."""
+        ...
+
+    def describe(self) -> dict:
+        """What the report records about how it drafted."""
+        ...
+
+
+def make_strategy(drafter, settings) -> DraftingStrategy:
+    """DFlash's block drafting for a DFlashDrafter, EAGLE's chain / tree drafting otherwise."""
+    from models.dflash import DFlashDrafter
+
+    if isinstance(drafter, DFlashDrafter):
+        from eval.dflash_drafting import DFlashDrafting
+
+        return DFlashDrafting(drafter, settings)
+    return EagleDrafting(drafter, settings)
 
 
 def _log_probs(drafter, h: Tensor) -> Tensor:
@@ -128,3 +170,45 @@ def draft_tree(
     return select_top_m(
         torch.cat(values), torch.cat(parents), torch.cat(depths), tokens, root_token, total_tokens
     )
+
+
+class EagleDrafting:
+    """EAGLE-3's drafting (SpecSettings.mode chain | tree), its DecodeCache and last output vector."""
+
+    def __init__(self, drafter, settings) -> None:
+        self.drafter, self.settings = drafter, settings
+        self.depth = settings.depth
+        self.cache = None
+        self.root_out: Tensor | None = None
+
+    def _taps(self, taps: Tensor) -> Tensor:
+        w = self.drafter.fc.weight
+        return taps.to(device=w.device, dtype=w.dtype)
+
+    def start(self, prompt_ids: list[int], taps: Tensor, root: int) -> None:
+        from models.attention import DecodeCache
+
+        self.cache = DecodeCache()
+        next_ids = torch.tensor([*prompt_ids[1:], root], device=taps.device)
+        self.root_out = catch_up(self.drafter, self.cache, self._taps(taps), next_ids, 0)
+
+    def draft(self, root: int, prefix_len: int, params: SamplingParams, generator: torch.Generator | None) -> DraftTree:
+        s = self.settings
+        if s.mode == "chain":
+            return draft_chain(
+                self.drafter, self.cache, self.root_out, root, prefix_len, s.depth,
+                params if s.sample_drafts else None, generator,
+            )
+        return draft_tree(self.drafter, self.cache, self.root_out, root, prefix_len, s.depth, s.topk, s.total_tokens)
+
+    def commit(self, taps: Tensor, accepted: list[int], bonus: int, prefix_len: int) -> None:
+        self.cache.truncate(prefix_len)  # drop the drafted nodes: their features were the drafter's own
+        next_ids = torch.tensor([*accepted, bonus], device=taps.device)
+        self.root_out = catch_up(self.drafter, self.cache, self._taps(taps), next_ids, prefix_len)
+
+    def describe(self) -> dict:
+        s = self.settings
+        out = {"method": "eagle", "mode": s.mode, "depth": s.depth}
+        if s.mode == "tree":
+            out.update(topk=s.topk, total_tokens=s.total_tokens)
+        return out

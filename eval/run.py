@@ -139,7 +139,7 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
                              "content": tokenizer.decode(spec.output_ids, skip_special_tokens=True)})
         bar.set_postfix(tau=f"{metrics.tau_pooled(spec_recs):.2f}")
 
-    summary = metrics.summarize(spec_recs, d.depth)
+    summary = metrics.summarize(spec_recs, decoder.depth)
     spec_rate = _rate(spec_recs)
     base_rate = _rate(base_recs) if base_recs else float("nan")
     report = {
@@ -153,6 +153,8 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
         "device": device,
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "decode": {**asdict(d), "total_tokens": total_tokens, "total_tokens_timings_s": timings},
+        # what the drafter really did: a DFlash drafter drafts its block (block_size) whatever decode.depth says
+        "drafting": decoder.strategy.describe(),
         "tau_definition": "(accepted drafts + 1 bonus) per verify forward; prefill and budget cut excluded",
         **summary,
         "tokens_per_s": {"speculative": spec_rate, "baseline": base_rate},
@@ -194,26 +196,41 @@ def write_report(report: dict, out_dir: Path, plots: bool = True) -> Path:
     if plots:
         from eval.plots import plot_accept_histogram, plot_per_position
 
-        d = report["decode"]
-        label = f"{d['mode']} depth={d['depth']} m={d['total_tokens']} T={d['temperature']}"
+        label = _drafting_label(report)
         plot_per_position(report["per_position_acceptance"], out_dir / "per_position_acceptance.png", label)
         plot_accept_histogram(report["accept_length_histogram"], out_dir / "accept_length_histogram.png",
                               f"{label}  τ={report['tau_pooled']:.2f}")
     return path
 
 
+def _drafting_label(report: dict) -> str:
+    d, how = report["decode"], report.get("drafting") or {}
+    if how.get("method") == "dflash":
+        return f"dflash block={how['block_size']} T={d['temperature']}"
+    return f"{d['mode']} depth={d['depth']} m={d['total_tokens']} T={d['temperature']}"
+
+
 def format_summary(report: dict) -> str:
     d = report["decode"]
     tps = report["tokens_per_s"]
+    how = report.get("drafting") or {}
+    if how.get("method") == "dflash":
+        budget = f"block={how['block_size']}"
+        decode = (f"decode: dflash block_size={how['block_size']} ({how['draft_tokens_per_step']} drafts per "
+                  f"verify; decode.depth/topk/total_tokens unused) T={d['temperature']} "
+                  f"max_new_tokens={d['max_new_tokens']}")
+    else:
+        budget = f"m={d['total_tokens']}"
+        decode = (f"decode: mode={d['mode']} depth={d['depth']} topk={d['topk']} total_tokens(m)={d['total_tokens']} "
+                  f"T={d['temperature']} max_new_tokens={d['max_new_tokens']}")
     lines = [
         f"target={report['target']}  drafter={report['drafter']}  prompts={report['prompts']} "
         f"({report['num_prompts']} prompts, {report['num_requests']} turns)",
-        f"decode: mode={d['mode']} depth={d['depth']} topk={d['topk']} total_tokens(m)={d['total_tokens']} "
-        f"T={d['temperature']} max_new_tokens={d['max_new_tokens']}",
+        decode,
         f"tau pooled={report['tau_pooled']:.3f}  tau per-request mean={report['tau_per_request_mean']:.3f}",
         "alpha_n: " + " ".join("n/a" if a is None else f"{a:.2f}" for a in report["per_position_acceptance"]),
         f"tokens/s: speculative={tps['speculative']:.1f} baseline={tps['baseline']:.1f}  "
-        f"speedup={report['speedup'] if report['speedup'] is None else round(report['speedup'], 3)} (m={d['total_tokens']})",
+        f"speedup={report['speedup'] if report['speedup'] is None else round(report['speedup'], 3)} ({budget})",
     ]
     if "outputs_identical_to_baseline" in report:
         o = report["outputs_identical_to_baseline"]

@@ -1,9 +1,11 @@
-"""Speculative decoding on token ids (EAGLE-3 drafter + HF target), and the plain baseline.
+"""Speculative decoding on token ids (an EAGLE-3 or DFlash drafter + HF target), and the plain baseline.
 
-Batch 1, knows nothing about tokenization. One step = draft (chain or dynamic tree) -> ONE target
-forward over [root | drafted nodes] with a tree mask -> accept a path (greedy or lossless sampling,
-eval/sampling.py) -> keep only the accepted path's K/V -> feed the accepted tokens' target features
-to the drafter. Output is cut at max_new_tokens / EOS exactly where plain decoding would stop.
+Batch 1, knows nothing about tokenization. One step = draft (EAGLE: chain or dynamic tree; DFlash: one
+block) -> ONE target forward over [root | drafted nodes] with a tree mask -> accept a path (greedy or
+lossless sampling, eval/sampling.py) -> keep only the accepted path's K/V -> feed the accepted tokens'
+target features to the drafter. How the drafter drafts and keeps its cache is a strategy
+(eval/drafting.py `make_strategy`). Output is cut at max_new_tokens / EOS exactly where plain decoding
+would stop.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from torch import Tensor
 
 from eval import sampling
-from eval.drafting import catch_up, draft_chain, draft_tree
+from eval.drafting import make_strategy
 from eval.sampling import SamplingParams
 from eval.target import TargetRunner, keep_kv
 from eval.tree import DraftTree, tree_attention_allowed
@@ -24,7 +26,7 @@ from eval.tree import DraftTree, tree_attention_allowed
 @dataclass(frozen=True)
 class SpecSettings:
     mode: str = "tree"  # "tree" | "chain"
-    depth: int = 6  # tree levels = most draft tokens one step can accept (chain: K)
+    depth: int = 6  # tree levels = most draft tokens one step can accept (chain: K; DFlash: its block - 1)
     topk: int = 8  # tree only
     total_tokens: int = 60  # tree only: drafted nodes verified per step (the block is this + the root)
     sample_drafts: bool = False  # chain only, T > 0: draw drafts from the drafter (q) instead of its argmax
@@ -128,17 +130,18 @@ class SpeculativeDecoder:
         self.target = target
         self.drafter = drafter
         self.settings = settings
+        self.strategy = make_strategy(drafter, settings)
         self.target_cache = None  # kept after generate() so tests can compare it with a fresh prefill
-        self.drafter_cache = None
 
-    def _draft(self, root_out: Tensor, root: int, n: int, params: SamplingParams, gen) -> DraftTree:
-        s = self.settings
-        if s.mode == "chain":
-            return draft_chain(
-                self.drafter, self.drafter_cache, root_out, root, n, s.depth,
-                params if s.sample_drafts else None, gen,
-            )
-        return draft_tree(self.drafter, self.drafter_cache, root_out, root, n, s.depth, s.topk, s.total_tokens)
+    @property
+    def depth(self) -> int:
+        """The most draft tokens one step can accept (the length of per-position acceptance)."""
+        return self.strategy.depth
+
+    @property
+    def drafter_cache(self):
+        """The drafter's KV cache after generate() (EAGLE: a DecodeCache; DFlash: a DFlashCache)."""
+        return self.strategy.cache
 
     @torch.no_grad()
     def generate(
@@ -149,17 +152,13 @@ class SpeculativeDecoder:
         eos_token_ids: tuple[int, ...] = (),
         generator: torch.Generator | None = None,
     ) -> GenerationRecord:
-        from models.attention import DecodeCache
-
         if max_new_tokens < 1 or not prompt_ids:
             raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
         t0 = time.perf_counter()
         eos = frozenset(eos_token_ids)
-        depth = self.settings.depth
+        depth, strategy = self.depth, self.strategy
         rec = GenerationRecord(len(prompt_ids), [], "length", 0.0, 0, [], [0] * depth, [0] * depth)
-        device = self.target.device
         self.target_cache = cache = self.target.new_cache()
-        self.drafter_cache = DecodeCache()
 
         pre = self.target.forward(prompt_ids, cache)
         rec.target_forwards += 1
@@ -167,10 +166,9 @@ class SpeculativeDecoder:
         stop = _finish(rec.output_ids, [root], max_new_tokens, eos)
         n = len(prompt_ids)  # tokens in the target's KV cache; root sits at position n
         if stop is None:
-            next_ids = torch.tensor([*prompt_ids[1:], root], device=device)
-            root_out = catch_up(self.drafter, self.drafter_cache, self._taps(pre.taps), next_ids, 0)
+            strategy.start(prompt_ids, pre.taps, root)
         while stop is None:
-            tree = self._draft(root_out, root, n, params, generator)
+            tree = strategy.draft(root, n, params, generator)
             allowed = tree_attention_allowed(tree.parents, n)
             ver = self.target.forward(tree.tokens, cache, tree.position_ids(n), allowed)
             rec.target_forwards += 1
@@ -181,18 +179,12 @@ class SpeculativeDecoder:
             stop = _finish(rec.output_ids, [*accepted, bonus], max_new_tokens, eos)
             if stop is not None:
                 break
-            self.drafter_cache.truncate(n)  # drop the drafted nodes: their features were the drafter's own
-            next_ids = torch.tensor([*accepted, bonus], device=device)
-            root_out = catch_up(self.drafter, self.drafter_cache, self._taps(ver.taps[path]), next_ids, n)
+            strategy.commit(ver.taps[path], accepted, bonus, n)
             n += len(path)
             root = bonus
         rec.stop_reason = stop
         rec.time_s = time.perf_counter() - t0
         return rec
-
-    def _taps(self, taps: Tensor) -> Tensor:
-        w = self.drafter.fc.weight
-        return taps.to(device=w.device, dtype=w.dtype)
 
     @staticmethod
     def _count(rec: GenerationRecord, tree: DraftTree, path: list[int]) -> None:

@@ -67,6 +67,26 @@ def tiny_drafter(
     return drafter.eval().requires_grad_(False)
 
 
+def tiny_dflash_drafter(
+    target, tap_layers: list[int] | None = None, block_size: int = 4, num_layers: int = 2,
+    mask_token_id: int | None = None, seed: int = 0,
+):
+    """A random DFlashDrafter for `target` (its embedding and LM head copied), in the target's dtype.
+    mask_token_id None = the last token id."""
+    from models.dflash import DFlashConfig, DFlashDrafter
+
+    hf = target.config.to_dict()
+    taps = list(tap_layers) if tap_layers is not None else list(range(min(3, hf["num_hidden_layers"])))
+    mask = int(hf["vocab_size"]) - 1 if mask_token_id is None else mask_token_id
+    cfg = DFlashConfig.from_target_config(hf, mask_token_id=mask, target_layer_ids=taps, num_hidden_layers=num_layers,
+                                          block_size=block_size)
+    torch.manual_seed(seed)
+    embed = target.get_input_embeddings().weight
+    drafter = DFlashDrafter(cfg).to(embed.dtype)
+    drafter.load_target_weights(embed.detach().clone(), target.get_output_embeddings().weight.detach().clone())
+    return drafter.eval().requires_grad_(False)
+
+
 def tiny_pair(vocab: int = 32, seed: int = 0, draft_vocab: int | None = None, dtype=torch.float64, **kw):
     target = tiny_llama(vocab=vocab, seed=seed, dtype=dtype, **kw)
     ids = None

@@ -52,6 +52,32 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), (None if rope_type == "default" else scaling)
 
 
+def target_geometry(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The target's decoder geometry and rope from its HF config dict, as the keyword arguments a drafter
+    config of the same width takes (head_dim None = hidden_size // num_attention_heads)."""
+    hf = hf_config
+    if "hidden_size" not in hf and isinstance(hf.get("text_config"), dict):
+        hf = hf["text_config"]  # multimodal wrappers keep the language model's geometry here
+    missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
+                           "vocab_size") if k not in hf]
+    if missing:
+        raise ValueError(f"target config lacks {missing}")
+    theta, scaling = rope_from_hf(hf)
+    return {
+        "hidden_size": int(hf["hidden_size"]),
+        "num_attention_heads": int(hf["num_attention_heads"]),
+        "num_key_value_heads": int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
+        "head_dim": hf.get("head_dim") or None,
+        "intermediate_size": int(hf["intermediate_size"]),
+        "vocab_size": int(hf["vocab_size"]),
+        "num_target_layers": int(hf["num_hidden_layers"]),
+        "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "max_position_embeddings": int(hf.get("max_position_embeddings", 2048)),
+    }
+
+
 @dataclass
 class Eagle3Config:
     hidden_size: int

@@ -160,3 +160,37 @@ def test_short_real_run_on_embedded_target_learns(smollm2_prep_dir: Path, tmp_pa
     assert any("feat_k" in r for r in rows if r["kind"] == "train")
     config = json.loads((out / "export" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_eagle3_reads_its_taps_out_of_a_wider_prep() -> None:
+    """One prep with the union of EAGLE-3's and DFlash's layers serves EAGLE-3: model.tap_layers picks the
+    columns, and the loss equals the loss on a prep with exactly those taps."""
+    import dataclasses
+
+    from eval.testing import tiny_drafter
+    from train.ttt import Eagle3Objective
+
+    target = tiny_llama(vocab=32, seed=0, dtype=torch.float64)
+    drafter = tiny_drafter(target, aux_layer_ids=[0, 2, 1]).requires_grad_(True)
+    head = _target_head(target)
+    H = target.config.hidden_size
+    g = torch.Generator().manual_seed(5)
+    batch = dataclasses.replace(_batch(target), taps=torch.randn(2, 12, 3 * H, generator=g, dtype=torch.float64))
+    source = [2, 0, 5, 1]  # the shards' tap layers; the drafter wants [0, 2, 1]
+    cols = {0: 1, 2: 0, 1: 3}
+    wide = torch.zeros(2, 12, 4 * H, dtype=torch.float64)
+    for i, layer in enumerate([0, 2, 1]):
+        wide[..., cols[layer] * H : (cols[layer] + 1) * H] = batch.taps[..., i * H : (i + 1) * H]
+    wide[..., 2 * H : 3 * H] = torch.randn(2, 12, H, generator=g, dtype=torch.float64)
+    obj = Eagle3Objective(TTTSettings(steps=2, chunk_size=7))
+    obj.columns, obj.n_source_taps = [cols[layer] for layer in [0, 2, 1]], 4
+    narrow = Eagle3Objective(TTTSettings(steps=2, chunk_size=7))
+    counts, state = narrow.count(drafter, head, batch)
+    expected, _ = narrow.loss(drafter, head, batch, counts, state)
+    got, _ = obj.loss(drafter, head, dataclasses.replace(batch, taps=wide), counts, state)
+    assert torch.equal(got, expected)
+    from train.batch import tap_columns
+
+    assert tap_columns(source, [0, 2, 1]) == obj.columns
+    with pytest.raises(ValueError, match="capture.tap_layers"):
+        tap_columns(source, [3])

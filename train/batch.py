@@ -50,6 +50,14 @@ class Batch:
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def select_taps(self, columns: Sequence[int] | None, n_source: int) -> Batch:
+        """This batch with only the taps `columns` (indices into the shards' `n_source` taps), in that order:
+        one prep carrying the union of several drafters' layers serves each of them."""
+        if columns is None or list(columns) == list(range(n_source)):
+            return self
+        B, T, _ = self.taps.shape
+        return replace(self, taps=self.taps.view(B, T, n_source, -1)[:, :, list(columns)].reshape(B, T, -1))
+
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> Batch:
         """Move every tensor to `device`; floating tensors also to `dtype` (ints and bools keep theirs)."""
 
@@ -61,6 +69,15 @@ class Batch:
             return x.to(device=device)
 
         return replace(self, **{f.name: move(getattr(self, f.name)) for f in fields(self)})
+
+
+def tap_columns(source_layers: Sequence[int], wanted: Sequence[int], where: str = "the shards") -> list[int]:
+    """Indices of the target layers `wanted` among `source_layers` (a manifest's tap_layers)."""
+    missing = [i for i in wanted if i not in source_layers]
+    if missing:
+        raise ValueError(f"tap layers {missing} are not in {where} (they carry {list(source_layers)}): prepare "
+                         f"with capture.tap_layers including them")
+    return [list(source_layers).index(i) for i in wanted]
 
 
 def _pad_stack(tensors: Sequence[Tensor], length: int, value: float | int = 0) -> Tensor:

@@ -49,7 +49,8 @@ class ModelConfig:
     # embedding row past the tokenizer, else its last special token the chat template does not use.
     mask_token_id: int | None = None
     # Target layers the drafter reads, in concat order; they must be in the shards (a prep may carry more:
-    # the objective takes its columns). None = 5 layers evenly spaced in [1, L - 3].
+    # the objective takes its columns). None = EAGLE-3: every tap of the shards; DFlash: 5 layers evenly
+    # spaced in [1, L - 3]. EAGLE-1 reads the top-layer feature only.
     tap_layers: list[int] | None = None
 
 
@@ -286,9 +287,10 @@ class RunConfig:
         if not t.dflash_gamma > 0:
             raise ConfigError(f"train.dflash_gamma must be > 0, got {t.dflash_gamma}")
         if m.method != "dflash":
-            unused = [k for k in ("num_layers", "block_size", "mask_token_id", "tap_layers") if getattr(m, k) is not None]
+            keys = ("num_layers", "block_size", "mask_token_id") + (("tap_layers",) if m.method == "eagle1" else ())
+            unused = [k for k in keys if getattr(m, k) is not None]
             if unused:
-                warnings.warn(f"model.{', model.'.join(unused)}: DFlash-only, ignored with model.method={m.method}",
+                warnings.warn(f"model.{', model.'.join(unused)}: not used by model.method={m.method} (ignored)",
                               stacklevel=3)
         elif m.attn_backend != "auto":
             warnings.warn("model.attn_backend has no effect with model.method=dflash (SDPA with explicit "

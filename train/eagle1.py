@@ -65,6 +65,9 @@ class Eagle1Objective:
         drafter.load_target_weights(head.embed_tokens_weight, head.lm_head.weight)
         return drafter
 
+    def start_batch(self, epoch: int, index: int) -> None:
+        pass  # deterministic: nothing drawn per batch
+
     def count(self, module: nn.Module, head: nn.Module, batch: Batch) -> tuple[Tensor, None]:
         return count_valid(head, batch, self.settings, vocab=module), None
 

@@ -33,6 +33,12 @@ class Objective(Protocol):
         """A freshly initialised drafter (the caller seeds first) with the target's frozen pieces set."""
         ...
 
+    def start_batch(self, epoch: int, index: int) -> None:
+        """Called before each micro-batch with its global batch's place in training, so whatever the
+        objective draws at random (DFlash's anchors) is a function of it: identical on every rank and
+        replayed exactly by a resumed run."""
+        ...
+
     def count(self, module: nn.Module, head: nn.Module, batch: Batch) -> tuple[Tensor, Any]:
         """(int64 [positions] loss-target counts of this batch, state handed to `loss` for this batch)."""
         ...

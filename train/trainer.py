@@ -199,6 +199,7 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
     engine.train()
     while step < steps_total and (t.stop_after_steps is None or step < t.stop_after_steps):
         for batch in train_data.epoch(cursor.epoch, cursor.batch):
+            objective.start_batch(cursor.epoch, cursor.batch)
             cursor.batch += 1
             if cursor.batch == train_data.batches_per_epoch:
                 cursor = Cursor(cursor.epoch + 1, 0)

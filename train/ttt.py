@@ -368,7 +368,9 @@ def evaluate(drafter: nn.Module, head: nn.Module, batches: Iterable[Batch], sett
 
 class Eagle3Objective:
     """EAGLE-3 with training-time test (train.ttt_steps = K, train.loss_decay = λ); see train/objective.py.
-    Held-out metrics unroll train.eval_ttt_steps (default K) steps, so a K=1 drafter's decay is visible."""
+    Held-out metrics unroll train.eval_ttt_steps (default K) steps, so a K=1 drafter's decay is visible.
+    The drafter reads model.tap_layers out of the shards' taps; default: EAGLE-3's [1, L/2-1, L-4] when the
+    shards carry them (a prep for several drafters carries more), else every tap of the shards."""
 
     method = "eagle3"
     keep_gathered = ("norm", "lm_head")  # the fused head calls them once per loss chunk
@@ -376,6 +378,8 @@ class Eagle3Objective:
     def __init__(self, settings: TTTSettings, eval_settings: TTTSettings | None = None, cfg=None) -> None:
         self.settings, self.eval_settings, self.cfg = settings, eval_settings or settings, cfg
         self.positions = settings.steps
+        self.columns: list[int] | None = None  # the drafter's taps among the shards' (build_drafter)
+        self.n_source_taps = 0
 
     @classmethod
     def from_config(cls, cfg) -> Eagle3Objective:
@@ -387,19 +391,31 @@ class Eagle3Objective:
         return cls(settings, eval_settings, cfg)
 
     def build_drafter(self, prep_dir, tap_layers: list[int], head: nn.Module) -> nn.Module:
-        from train.build import build_drafter
+        from models.config import default_aux_layer_ids, target_geometry
+        from train.batch import tap_columns
+        from train.build import build_drafter, target_config
 
-        return build_drafter(self.cfg.model, prep_dir, tap_layers, self.cfg.data.max_len, head)
+        default = default_aux_layer_ids(target_geometry(target_config(prep_dir))["num_target_layers"])
+        wanted = list(self.cfg.model.tap_layers or (default if set(default) <= set(tap_layers) else tap_layers))
+        self.columns, self.n_source_taps = tap_columns(tap_layers, wanted), len(tap_layers)
+        return build_drafter(self.cfg.model, prep_dir, wanted, self.cfg.data.max_len, head)
+
+    def start_batch(self, epoch: int, index: int) -> None:
+        pass  # deterministic: nothing drawn per batch
+
+    def _taps(self, batch: Batch) -> Batch:
+        return batch.select_taps(self.columns, self.n_source_taps)
 
     def count(self, module: nn.Module, head: nn.Module, batch: Batch):
         return count_valid(head, batch, self.settings, vocab=module, return_targets=True)
 
     def loss(self, module: nn.Module, head: nn.Module, batch: Batch, normalizer: Tensor, state):
-        loss, m = ttt_loss(module, head, batch, self.settings, normalizer=normalizer, teacher_targets=state)
+        loss, m = ttt_loss(module, head, self._taps(batch), self.settings, normalizer=normalizer,
+                           teacher_targets=state)
         return loss, {k: m[k] for k in SUM_KEYS}
 
     def eval_sums(self, module: nn.Module, head: nn.Module, batches: Iterable[Batch]) -> dict:
-        return eval_sums(module, head, batches, self.eval_settings)
+        return eval_sums(module, head, (self._taps(b) for b in batches), self.eval_settings)
 
     def summarize(self, sums: dict) -> dict:
         return summarize(sums)

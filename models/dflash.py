@@ -1,0 +1,485 @@
+"""The DFlash block-diffusion drafter (method.md §5); parameter names are the keys of z-lab's public
+`DFlashDraftModel` export, which SGLang's DFLASH worker loads.
+
+    c  = hidden_norm(fc(cat(taps)))                     # fused target features, one row per committed position
+    x  = embed([x_a, MASK, ..., MASK])                  # a block of B tokens at positions a .. a+B-1
+    per decoder layer (Qwen3 style: q_norm / k_norm on every head before RoPE):
+        h  = input_layernorm(x)
+        q  = rope(q_norm(q_proj(h)));  k = rope(k_norm(k_proj(h)));  v = v_proj(h)          # the block's
+        kc = rope(k_norm(k_proj(c)));  vc = v_proj(c)               # the context's: same projections, un-normed c
+        x  = x + o_proj(attend(q, [kc | k], [vc | v]))   # context strictly before a, the whole block both ways
+        x  = x + mlp(post_attention_layernorm(x))
+    logits = lm_head(norm(x))                            # the target's frozen LM head; position k predicts x_{a+k}
+
+The context keys/values depend on the target features only (not on earlier drafter layers), so at
+inference they are computed once per committed token and cached (`DFlashCache`): that cache is the
+drafter's KV cache. `attend` is the one thing training and drafting do differently:
+`anchored_attention` (many blocks of a training sequence at once, each seeing the context before its
+own anchor) and `open_block_attention` (one block after the whole cached context).
+
+Export (`save_export` / `load_export`): config.json with `architectures: ["DFlashDraftModel"]`,
+`model_type: "qwen3"`, the Qwen3 geometry fields, `block_size`, `num_target_layers` and
+`dflash_config: {target_layer_ids, mask_token_id, block_size}` (0-based target layers, the hidden state
+AFTER each, in concat order: what z-lab's `build_target_layer_ids` and SGLang's `dflash_utils` read);
+model.safetensors with `fc.weight, hidden_norm.weight, layers.{i}.*, norm.weight` and neither the
+embedding nor the LM head (the target's, supplied by `load_export(target_weights=...)`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from models.config import rope_from_hf, target_geometry
+from models.eagle3 import Eagle3MLP, RMSNorm
+from models.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, apply_rope
+
+__all__ = ["DFlashCache", "DFlashConfig", "DFlashDrafter", "default_target_layer_ids", "load_export", "save_export"]
+
+ARCHITECTURE = "DFlashDraftModel"
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+FROZEN_KEYS = ("embed_tokens.weight", "lm_head.weight")  # the target's; = models.registry frozen_keys
+# dflash_config switches of other DFlash variants (SGLang's parser knows them); only their absence is implemented.
+_UNSUPPORTED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "projector_type",
+                "attention_sink_bias", "final_logit_softcapping")
+
+# (q, k, v, k_ctx, v_ctx) -> out: q (B, Hq, N, D), k/v (B, Hkv, N, D) of the block rows, k_ctx/v_ctx
+# (B, Hkv, L, D) of the context rows; returns (B, Hq, N, D).
+Attend = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def default_target_layer_ids(num_target_layers: int, n_taps: int = 5) -> list[int]:
+    """`n_taps` target layers evenly spaced between layer 1 and L - 3 (0-based, output after the layer),
+    rounded as z-lab's and SGLang's build_target_layer_ids round (Python's round: ties to even), so the
+    engines derive the same ids when an export omits them. One tap: the middle layer."""
+    if n_taps == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    if end < start:
+        raise ValueError(f"DFlash taps need a target with >= 4 layers, got {num_target_layers}")
+    return [int(round(start + i * (end - start) / (n_taps - 1))) for i in range(n_taps)]
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int  # = the target's (embedding and LM head are the target's)
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int  # the target's V: the drafter predicts over the full vocabulary
+    target_layer_ids: list[int]  # 0-based target layers tapped, in concat order (fc input = n * hidden_size)
+    mask_token_id: int  # a reserved target token id filling the B - 1 positions to predict
+    num_hidden_layers: int = 5
+    block_size: int = 16  # B: [last accepted token, MASK x (B - 1)]
+    head_dim: int | None = None  # None -> hidden_size // num_attention_heads
+    num_target_layers: int | None = None  # the target's L (engines derive default taps from it)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # None = plain RoPE; else has "rope_type"
+    max_position_embeddings: int = 2048
+    hidden_act: str = "silu"
+    torch_dtype: str = "bfloat16"  # dtype recorded in the exported config.json
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+
+    def validate(self) -> DFlashConfig:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"DFlashConfig: {msg}")
+
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                     "vocab_size", "num_hidden_layers", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and value > 0, f"{name} must be a positive int, got {value!r}")
+        assert self.head_dim is not None
+        need(self.num_attention_heads % self.num_key_value_heads == 0,
+             f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+             f"({self.num_key_value_heads})")
+        need(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
+        need(self.block_size >= 2, f"block_size must be >= 2 (one known token + predictions), got {self.block_size}")
+        need(0 <= self.mask_token_id < self.vocab_size,
+             f"mask_token_id {self.mask_token_id} is not a target token id (vocab_size {self.vocab_size})")
+        ids = self.target_layer_ids
+        need(len(ids) > 0 and len(set(ids)) == len(ids) and min(ids) >= 0,
+             f"target_layer_ids must be distinct 0-based layer ids, got {ids}")
+        if self.num_target_layers is not None:
+            need(max(ids) < self.num_target_layers,
+                 f"target_layer_ids {ids} out of range for a {self.num_target_layers}-layer target")
+        need(self.hidden_act == "silu", f"only hidden_act='silu' (SwiGLU) is implemented, got {self.hidden_act!r}")
+        need(self.rms_norm_eps > 0, "rms_norm_eps must be > 0")
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type")
+            need(rope_type in SUPPORTED_ROPE_TYPES, f"rope_type {rope_type!r} not in {SUPPORTED_ROPE_TYPES}")
+        return self
+
+    @classmethod
+    def from_target_config(
+        cls, hf_config: dict[str, Any], mask_token_id: int, target_layer_ids: Sequence[int] | None = None,
+        num_hidden_layers: int = 5, block_size: int = 16, **overrides: Any,
+    ) -> DFlashConfig:
+        """Geometry = the target's (layers as wide as its own); taps default to `default_target_layer_ids`
+        with one tap per drafter layer, as the public drafters have; `overrides` replace any field."""
+        geo = target_geometry(hf_config)
+        ids = list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(
+            geo["num_target_layers"], num_hidden_layers)
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown DFlashConfig overrides: {sorted(unknown)}")
+        cfg = cls(**geo, target_layer_ids=ids, mask_token_id=mask_token_id, num_hidden_layers=num_hidden_layers,
+                  block_size=block_size)
+        return dataclasses.replace(cfg, **overrides).validate()
+
+    # ------------------------------------------------------------------ engine config.json
+    def to_hf_dict(self) -> dict[str, Any]:
+        rope_params = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+        dflash = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
+                  "block_size": self.block_size}
+        return {
+            "architectures": [ARCHITECTURE],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": self.num_hidden_layers,
+            "hidden_act": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps,
+            # Both spellings: transformers 4 reads rope_theta/rope_scaling, 5 also rope_parameters.
+            "rope_theta": self.rope_theta,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "rope_parameters": rope_params,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": False,
+            "is_causal": False,
+            # Top level as well as in dflash_config: the first public checkpoints keep block_size here.
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": dflash,
+            "torch_dtype": self.torch_dtype,
+        }
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], target_num_layers: int | None = None) -> DFlashConfig:
+        """Read an exported (ours or a public drafter's) DFlashDraftModel config.json."""
+        arch = (d.get("architectures") or [None])[0]
+        if arch != ARCHITECTURE:
+            raise ValueError(f"architectures[0] is {arch!r}; expected {ARCHITECTURE!r}")
+        dflash = dict(d.get("dflash_config") or {})
+        on = [k for k in _UNSUPPORTED if dflash.get(k)]
+        if on or "sliding_attention" in (d.get("layer_types") or []):
+            raise ValueError(f"DFlash variant not supported: {on or ['sliding_attention layers']}")
+        layers = int(d["num_hidden_layers"])
+        num_target = d.get("num_target_layers") or dflash.get("num_target_layers") or target_num_layers
+        ids = dflash.get("target_layer_ids", d.get("target_layer_ids"))
+        if ids is None:
+            if num_target is None:
+                raise ValueError("config.json has no dflash_config.target_layer_ids nor num_target_layers: pass "
+                                 "target_num_layers (the target's decoder layer count)")
+            ids = default_target_layer_ids(int(num_target), layers)
+        mask = dflash.get("mask_token_id", d.get("mask_token_id"))
+        if mask is None:
+            raise ValueError("config.json has no dflash_config.mask_token_id (a token-string mask is not supported)")
+        theta, scaling = rope_from_hf(d)
+        return cls(
+            hidden_size=int(d["hidden_size"]),
+            num_attention_heads=int(d["num_attention_heads"]),
+            num_key_value_heads=int(d.get("num_key_value_heads") or d["num_attention_heads"]),
+            intermediate_size=int(d["intermediate_size"]),
+            vocab_size=int(d["vocab_size"]),
+            target_layer_ids=[int(i) for i in ids],
+            mask_token_id=int(mask),
+            num_hidden_layers=layers,
+            block_size=int(dflash.get("block_size") or d.get("block_size") or 16),
+            head_dim=d.get("head_dim") or None,
+            num_target_layers=int(num_target) if num_target is not None else None,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            hidden_act=str(d.get("hidden_act", "silu")),
+            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
+        ).validate()
+
+
+# ---------------------------------------------------------------------------------------------- attention
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=q.shape[-1] ** -0.5, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+def open_block_attention(q: Tensor, k: Tensor, v: Tensor, k_ctx: Tensor, v_ctx: Tensor) -> Tensor:
+    """Drafting: the block's queries see the whole cached context (all of it precedes the block) and the
+    whole block, in both directions: no mask."""
+    return _sdpa(q, torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2), None)
+
+
+def anchored_mask(anchors: Tensor, ctx_len: int, block_size: int) -> Tensor:
+    """bool [B, n*bs, ctx_len + n*bs], True = may attend, for blocks opened at `anchors` [B, n]:
+    keys laid out [context 0..ctx_len-1 | block 0 | block 1 | ...]; a query of block i sees the context
+    positions strictly before anchors[:, i] and every position of block i; nothing of another block."""
+    n = anchors.shape[1]
+    block_of = torch.arange(n * block_size, device=anchors.device) // block_size  # query / block-key row -> block
+    ctx = torch.arange(ctx_len, device=anchors.device) < anchors[:, block_of, None]  # [B, n*bs, ctx_len]
+    own = (block_of[:, None] == block_of[None, :]).expand(anchors.shape[0], -1, -1)  # [B, n*bs, n*bs]
+    return torch.cat([ctx, own], dim=-1)
+
+
+def _group(q: Tensor, k: Tensor, v: Tensor, k_ctx: Tensor, v_ctx: Tensor, anchors: Tensor, *,
+           first: int, last: int, block_size: int) -> Tensor:
+    rows = slice(first * block_size, last * block_size)
+    group = anchors[:, first:last]
+    ctx_len = int(group.max())  # every query of the group sees at most this much context
+    mask = anchored_mask(group, ctx_len, block_size)[:, None]  # (B, 1, g*bs, ctx_len + g*bs)
+    return _sdpa(q[:, :, rows], torch.cat([k_ctx[:, :, :ctx_len], k[:, :, rows]], dim=2),
+                 torch.cat([v_ctx[:, :, :ctx_len], v[:, :, rows]], dim=2), mask)
+
+
+def anchored_attention(
+    q: Tensor, k: Tensor, v: Tensor, k_ctx: Tensor, v_ctx: Tensor, anchors: Tensor, block_size: int,
+    group_rows: int = 512,
+) -> Tensor:
+    """Training: n blocks per sequence in one pass (rows = block-major), masked as `anchored_mask`.
+
+    Blocks are processed in groups of about `group_rows` query rows, each group over the context up to
+    its largest anchor only, so the peak is one group's scores, never [n*bs, T] for the whole sequence;
+    with anchors sorted, the groups' context lengths grow with the group. A group's keys are a fresh
+    concatenation that backward would keep (O(T) per group), so each group is checkpointed and
+    recomputed in backward, as the chunked TTT backend does."""
+    n = anchors.shape[1]
+    per = max(1, group_rows // block_size)
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, k_ctx, v_ctx))
+    outs = []
+    for first in range(0, n, per):
+        fn = functools.partial(_group, first=first, last=min(n, first + per), block_size=block_size)
+        outs.append(checkpoint(fn, q, k, v, k_ctx, v_ctx, anchors, use_reentrant=False) if grad
+                    else fn(q, k, v, k_ctx, v_ctx, anchors))
+    return torch.cat(outs, dim=2)
+
+
+# ---------------------------------------------------------------------------------------------- layers
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        assert cfg.head_dim is not None
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def keys_values(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """x (B, T, H) -> rotated keys, values (B, Hkv, T, D); used for block rows and context rows alike."""
+        B, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x: Tensor, k_ctx: Tensor, v_ctx: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)  # (B, Hq, T, D)
+        k, v = self.keys_values(x, cos, sin)
+        out = attend(apply_rope(q, cos, sin), k, v, k_ctx, v_ctx)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DFlashAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = Eagle3MLP(cfg)
+
+    def forward(self, x: Tensor, k_ctx: Tensor, v_ctx: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), k_ctx, v_ctx, cos, sin, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ---------------------------------------------------------------------------------------------- drafter
+class DFlashCache:
+    """Inference: each layer's context keys/values (1, Hkv, L, D) for the committed positions 0..L-1.
+    Block keys/values are never stored: the next block is drafted afresh after the next verify."""
+
+    def __init__(self) -> None:
+        self.layers: list[tuple[Tensor, Tensor]] = []
+
+    @property
+    def length(self) -> int:
+        return self.layers[0][0].shape[2] if self.layers else 0
+
+    def extend(self, kv: Sequence[tuple[Tensor, Tensor]]) -> None:
+        if not self.layers:
+            self.layers = list(kv)
+            return
+        self.layers = [(torch.cat([k0, k], dim=2), torch.cat([v0, v], dim=2))
+                       for (k0, v0), (k, v) in zip(self.layers, kv)]
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DFlashConfig, attn_backend: str = "auto") -> None:
+        """attn_backend: accepted for the registry's uniform signature and ignored: DFlash attends through
+        PyTorch's SDPA with explicit masks on every device (`anchored_attention`, `open_block_attention`)."""
+        super().__init__()
+        cfg.validate()
+        assert cfg.head_dim is not None
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, H)  # the target's, frozen (load_target_weights)
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)  # the drafter's own final norm: trained
+        self.lm_head = nn.Linear(H, cfg.vocab_size, bias=False)  # the target's, frozen
+        self.embed_tokens.weight.requires_grad_(False)
+        self.lm_head.weight.requires_grad_(False)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        self.checkpoint_layers = False  # training: recompute each layer in backward (memory ~ its input only)
+        self.attn_group_rows = 512  # training: query rows per attention group (anchored_attention)
+
+    @property
+    def tap_layers(self) -> list[int]:
+        """The target layers whose outputs `fuse` takes, in concat order (0-based decoder layers)."""
+        return list(self.cfg.target_layer_ids)
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.cfg.mask_token_id
+
+    @torch.no_grad()
+    def load_target_weights(self, embed: Tensor, lm_head: Tensor) -> None:
+        """The target's input embedding and LM head, both [V, H]."""
+        for name, dst, src in (("embedding", self.embed_tokens.weight, embed), ("LM head", self.lm_head.weight, lm_head)):
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(f"target {name} {tuple(src.shape)} != expected {tuple(dst.shape)} (vocab, hidden)")
+            dst.copy_(src)
+
+    def fuse(self, taps: Tensor) -> Tensor:
+        """[B, T, n_taps * H] target features -> [B, T, H] context rows."""
+        return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+
+    def context_kv(self, ctx: Tensor, position_ids: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Every layer's rotated keys and values (B, Hkv, T, D) of context rows `ctx` [B, T, H]."""
+        cos, sin = self.rotary(position_ids.expand(ctx.shape[0], -1), ctx.dtype)
+        return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
+
+    def forward(
+        self, input_ids: Tensor, position_ids: Tensor, context: Sequence[tuple[Tensor, Tensor]], attend: Attend
+    ) -> Tensor:
+        """Block rows input_ids / position_ids [B, N] through every layer against `context` (per layer
+        keys/values from `context_kv` or a DFlashCache); returns [B, N, H] before the final norm."""
+        x = self.embed_tokens(input_ids).to(self.fc.weight.dtype)  # (B, N, H)
+        cos, sin = self.rotary(position_ids, x.dtype)
+        ckpt = self.checkpoint_layers and torch.is_grad_enabled()
+        for layer, (k_ctx, v_ctx) in zip(self.layers, context, strict=True):
+            if ckpt:
+                x = checkpoint(layer, x, k_ctx, v_ctx, cos, sin, attend, use_reentrant=False)
+            else:
+                x = layer(x, k_ctx, v_ctx, cos, sin, attend)
+        return x
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """[.., H] -> [.., V]"""
+        return self.lm_head(self.norm(hidden))
+
+    # ------------------------------------------------------------------ drafting (inference)
+    def extend_context(self, cache: DFlashCache, taps: Tensor, start: int) -> None:
+        """Append committed positions start.. (their target features taps [1, t, n*H]) to the cache."""
+        if cache.length != start:
+            raise ValueError(f"context cache holds {cache.length} positions, new ones start at {start}")
+        pos = torch.arange(start, start + taps.shape[1], device=taps.device)[None]
+        cache.extend(self.context_kv(self.fuse(taps), pos))
+
+    def draft_block(self, cache: DFlashCache, root: int) -> Tensor:
+        """One denoising step for the block [root, MASK x (B-1)] at positions L.. (L = cache.length):
+        the hidden states [B - 1, H] of the masked positions, position k predicting the token at L + k."""
+        device = self.fc.weight.device
+        ids = torch.full((1, self.block_size), self.mask_token_id, dtype=torch.long, device=device)
+        ids[0, 0] = root
+        pos = torch.arange(cache.length, cache.length + self.block_size, device=device)[None]
+        return self.forward(ids, pos, cache.layers, open_block_attention)[0, 1:]
+
+
+# ---------------------------------------------------------------------------------------------- export
+def export_keys(cfg: DFlashConfig) -> list[str]:
+    """The exact tensor names save_export writes."""
+    layer = [f"self_attn.{p}_proj.weight" for p in "qkvo"] + ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    layer += ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    per_layer = [f"layers.{i}.{name}" for i in range(cfg.num_hidden_layers) for name in layer]
+    return ["fc.weight", "hidden_norm.weight", *per_layer, "norm.weight"]
+
+
+def save_export(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = drafter.state_dict()
+    tensors = {k: state[k].detach().to(dtype).contiguous().cpu() for k in export_keys(drafter.cfg)}
+    config = drafter.cfg.to_hf_dict()
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def load_export(
+    export_dir: str | Path,
+    target_weights: dict[str, Tensor] | None = None,
+    target_num_layers: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    attn_backend: str = "auto",
+) -> DFlashDrafter:
+    """A drafter ready for decoding. target_weights: the target's "embed_tokens.weight" and
+    "lm_head.weight" [V, H] (a tied target may give the embedding only). target_num_layers: needed only
+    for configs without dflash_config.target_layer_ids. Weights other than export_keys are an error."""
+    d = Path(export_dir)
+    cfg = DFlashConfig.from_hf_dict(json.loads((d / CONFIG_FILE).read_text()), target_num_layers)
+    tensors = load_file(str(d / WEIGHTS_FILE))
+    stored = {k: tensors.pop(k) for k in FROZEN_KEYS if k in tensors}  # some public exports carry them
+    unknown, missing = sorted(set(tensors) - set(export_keys(cfg))), sorted(set(export_keys(cfg)) - set(tensors))
+    if unknown or missing:
+        raise ValueError(f"not a {ARCHITECTURE} checkpoint of this config: unknown keys {unknown}, missing {missing}")
+    drafter = DFlashDrafter(cfg, attn_backend=attn_backend).to(dtype)
+    state = drafter.state_dict()
+    for key, value in tensors.items():
+        if tuple(value.shape) != tuple(state[key].shape):
+            raise ValueError(f"{key}: checkpoint shape {tuple(value.shape)} != config shape {tuple(state[key].shape)}")
+    drafter.load_state_dict({**state, **tensors}, strict=True)  # casts to the drafter's dtype
+    given = {**stored, **(target_weights or {})}
+    embed = given.get("embed_tokens.weight")
+    head = given.get("lm_head.weight", embed)  # tied targets share one matrix
+    if embed is not None and head is not None:
+        drafter.load_target_weights(embed.to(dtype), head.to(dtype))
+    else:
+        warnings.warn("no target embedding / LM head given or stored: they stay random until "
+                      "load_target_weights()", stacklevel=2)
+    return drafter
