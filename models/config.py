@@ -156,30 +156,14 @@ class Eagle3Config:
     ) -> Eagle3Config:
         """Drafter geometry = the target's (a one-layer Llama block of the same width); `overrides` replace
         any field (e.g. intermediate_size=...)."""
-        hf = hf_config
-        if "hidden_size" not in hf and isinstance(hf.get("text_config"), dict):
-            hf = hf["text_config"]  # multimodal wrappers keep the language model's geometry here
-        missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
-                               "vocab_size") if k not in hf]
-        if missing:
-            raise ValueError(f"target config lacks {missing}")
-        num_layers = int(hf["num_hidden_layers"])
-        theta, scaling = rope_from_hf(hf)
+        geometry = target_geometry(hf_config)
+        num_layers = geometry.pop("num_target_layers")
         cfg = cls(
-            hidden_size=int(hf["hidden_size"]),
-            num_attention_heads=int(hf["num_attention_heads"]),
-            num_key_value_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
-            head_dim=hf.get("head_dim") or None,
-            intermediate_size=int(hf["intermediate_size"]),
-            vocab_size=int(hf["vocab_size"]),
+            **geometry,
             draft_vocab_size=int(draft_vocab_size),
             aux_layer_ids=list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(num_layers),
-            target_hidden_size=int(hf["hidden_size"]),
+            target_hidden_size=geometry["hidden_size"],
             target_num_layers=num_layers,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         )
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from models.attention import DecodeCache, TTTCache
-from models.config import rope_from_hf
+from models.config import rope_from_hf, target_geometry
 from models.eagle3 import Eagle3Attention, Eagle3MLP, RMSNorm
 from models.rope import RotaryEmbedding
 
@@ -63,21 +63,9 @@ class Eagle1Config:
 
     @classmethod
     def from_target_config(cls, hf: dict[str, Any], **overrides: Any) -> Eagle1Config:
-        if "hidden_size" not in hf and isinstance(hf.get("text_config"), dict):
-            hf = hf["text_config"]
-        theta, scaling = rope_from_hf(hf)
-        cfg = cls(
-            hidden_size=int(hf["hidden_size"]),
-            num_attention_heads=int(hf["num_attention_heads"]),
-            num_key_value_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
-            head_dim=hf.get("head_dim") or None,
-            intermediate_size=int(hf["intermediate_size"]),
-            vocab_size=int(hf["vocab_size"]),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        )
+        geometry = target_geometry(hf)
+        geometry.pop("num_target_layers")
+        cfg = cls(**geometry)
         return dataclasses.replace(cfg, **overrides)
 
     def to_hf_dict(self) -> dict[str, Any]:
