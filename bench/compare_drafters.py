@@ -125,6 +125,8 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = sorted({key for r in results.values() for key in r["decode"]})
+    if not panels:
+        return  # held-out metrics only (--modes '')
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         for name, r in results.items():
@@ -147,10 +149,11 @@ def plot(results: dict, path: Path) -> None:
 
 def table(results: dict) -> str:
     panels = sorted({key for r in results.values() for key in r["decode"]})
-    head = "| variant | held-out sim τ | " + " | ".join(f"τ {p} | speedup {p}" for p in panels) + " |"
-    lines = [head, "|" + "---|" * (2 + 2 * len(panels))]
+    head = ["variant", "held-out sim τ", "held-out acc_0..", *(f"{c} {p}" for p in panels for c in ("τ", "speedup"))]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in results.items():
-        cells = [name, f"{r['sim_tau']:.3f}" if r["sim_tau"] is not None else "-"]
+        acc = " ".join(f"{a:.2f}" for a in r["acc_k"] or [])
+        cells = [name, f"{r['sim_tau']:.3f}" if r["sim_tau"] is not None else "-", acc]
         for p in panels:
             rep = r["decode"].get(p)
             cells += [f"{rep['tau_pooled']:.3f}", f"{rep['speedup']:.2f}x"] if rep else ["-", "-"]
