@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -440,15 +440,9 @@ def export_keys(cfg: DFlashConfig) -> list[str]:
 
 
 def save_export(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    state = drafter.state_dict()
-    tensors = {k: state[k].detach().to(dtype).contiguous().cpu() for k in export_keys(drafter.cfg)}
-    config = drafter.cfg.to_hf_dict()
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    return out
+    from models.export import write_export
+
+    return write_export(drafter.state_dict(), export_keys(drafter.cfg), drafter.cfg.to_hf_dict(), out_dir, dtype)
 
 
 def load_export(

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from models.attention import DecodeCache, TTTCache
@@ -185,14 +185,9 @@ def export_keys(cfg: Eagle1Config) -> list[str]:
 
 
 def save_export(drafter: Eagle1Drafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    state = drafter.state_dict()
-    tensors = {k: state[k].detach().to(dtype).contiguous().cpu() for k in export_keys(drafter.cfg)}
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    config = {**drafter.cfg.to_hf_dict(), "torch_dtype": str(dtype).removeprefix("torch.")}
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    return out
+    from models.export import write_export
+
+    return write_export(drafter.state_dict(), export_keys(drafter.cfg), drafter.cfg.to_hf_dict(), out_dir, dtype)
 
 
 def load_export(

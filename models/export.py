@@ -32,19 +32,25 @@ def export_keys() -> list[str]:
     return ["fc.weight", *layer, "norm.weight", "lm_head.weight", "d2t", "t2d"]
 
 
-def save_export(drafter: Eagle3Drafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+def write_export(
+    state: dict[str, Tensor], keys: list[str], config: dict, out_dir: str | Path, dtype: torch.dtype
+) -> Path:
+    """config.json (+ torch_dtype) and model.safetensors with exactly `keys` of `state`, floats as `dtype`:
+    the one way every drafter family writes its export."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = drafter.state_dict()
     tensors: dict[str, Tensor] = {}
-    for key in export_keys():
+    for key in keys:
         t = state[key].detach()
         tensors[key] = (t.to(dtype) if t.is_floating_point() else t).contiguous().cpu()
-    config = drafter.cfg.to_hf_dict()
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    config = {**config, "torch_dtype": str(dtype).removeprefix("torch.")}
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def save_export(drafter: Eagle3Drafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    return write_export(drafter.state_dict(), export_keys(), drafter.cfg.to_hf_dict(), out_dir, dtype)
 
 
 def _read_weights(d: Path) -> dict[str, Tensor]:
