@@ -119,29 +119,32 @@ def evaluate(args: argparse.Namespace, name: str, mode: str, temperature: float)
 
 
 def plot(results: dict, path: Path) -> None:
+    """One panel of held-out per-step accuracy (teacher-forced), then one per decoding mode x temperature."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({key for r in results.values() for key in r["decode"]})
-    if not panels:
-        return  # held-out metrics only (--modes '')
+    panels = ["held-out", *sorted({key for r in results.values() for key in r["decode"]})]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         for name, r in results.items():
-            rep = r["decode"].get(panel)
-            if rep is None:
+            if panel == "held-out":
+                values, label = r["acc_k"] or [], f"{name} (sim τ {r['sim_tau'] or float('nan'):.2f})"
+            elif panel in r["decode"]:
+                rep = r["decode"][panel]
+                values, label = rep["per_position_acceptance"], f"{name} (τ {rep['tau_pooled']:.2f})"
+            else:
                 continue
-            alphas = rep["per_position_acceptance"]
-            xs = [i for i, a in enumerate(alphas) if a is not None]
-            ax.plot(xs, [alphas[i] for i in xs], marker="o", label=f"{name} (τ {rep['tau_pooled']:.2f})")
-        ax.set_title(panel)
-        ax.set_xlabel("draft depth n")
+            xs = [i for i, a in enumerate(values) if a is not None]
+            ax.plot(xs, [values[i] for i in xs], marker="o", label=label)
+        ax.set_title(panel if panel != "held-out" else "held-out acc_k (teacher-forced)")
+        ax.set_xlabel("draft depth n" if panel != "held-out" else "TTT step k")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    axes[0][0].set_ylabel("α_n = P(accept | all before accepted)")
+    axes[0][min(1, len(panels) - 1)].set_ylabel("α_n = P(accept | all before accepted)")
+    axes[0][0].set_ylabel("acc_k")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
