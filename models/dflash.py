@@ -38,12 +38,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from models.config import rope_from_hf, target_geometry
 from models.eagle3 import Eagle3MLP, RMSNorm
+from models.export import check_keys, read_weights, write_export
 from models.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, apply_rope
 
 __all__ = ["DFlashCache", "DFlashConfig", "DFlashDrafter", "default_target_layer_ids", "load_export", "save_export"]
@@ -440,8 +440,6 @@ def export_keys(cfg: DFlashConfig) -> list[str]:
 
 
 def save_export(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    from models.export import write_export
-
     return write_export(drafter.state_dict(), export_keys(drafter.cfg), drafter.cfg.to_hf_dict(), out_dir, dtype)
 
 
@@ -457,11 +455,9 @@ def load_export(
     for configs without dflash_config.target_layer_ids. Weights other than export_keys are an error."""
     d = Path(export_dir)
     cfg = DFlashConfig.from_hf_dict(json.loads((d / CONFIG_FILE).read_text()), target_num_layers)
-    tensors = load_file(str(d / WEIGHTS_FILE))
+    tensors = read_weights(d)
     stored = {k: tensors.pop(k) for k in FROZEN_KEYS if k in tensors}  # some public exports carry them
-    unknown, missing = sorted(set(tensors) - set(export_keys(cfg))), sorted(set(export_keys(cfg)) - set(tensors))
-    if unknown or missing:
-        raise ValueError(f"not a {ARCHITECTURE} checkpoint of this config: unknown keys {unknown}, missing {missing}")
+    check_keys(tensors, export_keys(cfg), f"a {ARCHITECTURE} checkpoint of this config")
     drafter = DFlashDrafter(cfg, attn_backend=attn_backend).to(dtype)
     state = drafter.state_dict()
     for key, value in tensors.items():

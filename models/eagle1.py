@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from models.attention import DecodeCache, TTTCache
 from models.config import rope_from_hf, target_geometry
 from models.eagle3 import Eagle3Attention, Eagle3MLP, RMSNorm
+from models.export import check_keys, read_weights, write_export
 from models.rope import RotaryEmbedding
 
 ARCHITECTURE = "LlamaForCausalLM"  # what public EAGLE-1 drafters declare (vLLM maps it to its Eagle class)
@@ -185,8 +185,6 @@ def export_keys(cfg: Eagle1Config) -> list[str]:
 
 
 def save_export(drafter: Eagle1Drafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    from models.export import write_export
-
     return write_export(drafter.state_dict(), export_keys(drafter.cfg), drafter.cfg.to_hf_dict(), out_dir, dtype)
 
 
@@ -201,14 +199,9 @@ def load_export(
     replaced by target_weights). target_weights: {"embed_tokens.weight", "lm_head.weight"} of the target."""
     d = Path(export_dir)
     cfg = Eagle1Config.from_hf_dict(json.loads((d / CONFIG_FILE).read_text()))
-    if (d / WEIGHTS_FILE).exists():
-        tensors = load_file(str(d / WEIGHTS_FILE))
-    else:
-        tensors = torch.load(d / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    tensors = read_weights(d)
     stored_embed = tensors.pop("embed_tokens.weight", None)
-    unknown, missing = sorted(set(tensors) - set(export_keys(cfg))), sorted(set(export_keys(cfg)) - set(tensors))
-    if unknown or missing:
-        raise ValueError(f"not an EAGLE-1 drafter: unknown keys {unknown}, missing keys {missing}")
+    check_keys(tensors, export_keys(cfg), "an EAGLE-1 drafter")
     drafter = Eagle1Drafter(cfg, attn_backend=attn_backend).to(dtype)
     drafter.load_state_dict({**drafter.state_dict(), **tensors}, strict=True)
     weights = dict(target_weights or {})

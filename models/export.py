@@ -53,7 +53,15 @@ def save_export(drafter: Eagle3Drafter, out_dir: str | Path, dtype: torch.dtype 
     return write_export(drafter.state_dict(), export_keys(), drafter.cfg.to_hf_dict(), out_dir, dtype)
 
 
-def _read_weights(d: Path) -> dict[str, Tensor]:
+def check_keys(tensors: dict[str, Tensor], expected: list[str], what: str) -> None:
+    """Like vLLM's loader: a tensor the layout does not name, or a missing one, is an error."""
+    unknown, missing = sorted(set(tensors) - set(expected)), sorted(set(expected) - set(tensors))
+    if unknown or missing:
+        raise ValueError(f"not {what}: unknown keys {unknown}, missing keys {missing}")
+
+
+def read_weights(d: Path) -> dict[str, Tensor]:
+    """model.safetensors, or the pytorch_model.bin that several public drafters ship."""
     if (d / WEIGHTS_FILE).exists():
         return load_file(str(d / WEIGHTS_FILE))
     if (d / "pytorch_model.bin").exists():  # several public EAGLE-3 drafters ship this
@@ -73,12 +81,8 @@ def normalize_keys(tensors: dict[str, Tensor], cfg: Eagle3Config) -> dict[str, T
         t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
         t2d[torch.arange(cfg.draft_vocab_size) + t["d2t"].long()] = True
         t["t2d"] = t2d
-    allowed = set(export_keys()) | {EMBED_KEY}
-    unknown = sorted(set(t) - allowed)
-    missing = sorted(set(export_keys()) - set(t))
-    if unknown or missing:
-        raise ValueError(f"not an EAGLE-3 LlamaForCausalLMEagle3 checkpoint: unknown keys {unknown}, "
-                         f"missing keys {missing}")
+    check_keys({k: v for k, v in t.items() if k != EMBED_KEY}, export_keys(),
+               "an EAGLE-3 LlamaForCausalLMEagle3 checkpoint")
     return t
 
 
@@ -101,7 +105,7 @@ def load_export(
     raw = json.loads((d / CONFIG_FILE).read_text())
     cfg = Eagle3Config.from_hf_dict(raw, target_num_layers=target_num_layers)
     cls = DRAFTERS[raw["architectures"][0]]
-    tensors = normalize_keys(_read_weights(d), cfg)
+    tensors = normalize_keys(read_weights(d), cfg)
     drafter = cls(cfg, attn_backend=attn_backend).to(dtype)
     stored_embed = tensors.pop(EMBED_KEY, None)
     state = drafter.state_dict()

@@ -7,28 +7,20 @@ a real prep for both drafters carries the union (`python -m train.dflash prep-ta
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import run_train
 
 
 def test_short_run_on_embedded_target_learns(smollm2_prep_dir: Path, smollm2_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "+exp=debug", "model=dflash", "model.tap_layers=[1,14,26]",
-           "model.num_layers=2", "model.block_size=8", f"data.dir={smollm2_prep_dir}", f"out_dir={out}",
-           "train.max_steps=12", "train.epochs=100", "train.lr=2e-3", "train.warmup_steps=2", "train.dflash_anchors=16",
-           "train.dflash_gamma=4", "train.eval_interval=12", "train.save_interval=0", "data.batch_size=2",
-           "data.eval_max_samples=2", "train.chunk_size=512"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
-                          env={**env, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "eval"]
+    rows = run_train(out, "+exp=debug", "model=dflash", "model.tap_layers=[1,14,26]", "model.num_layers=2",
+                     "model.block_size=8", f"data.dir={smollm2_prep_dir}", "train.max_steps=12", "train.epochs=100",
+                     "train.lr=2e-3", "train.warmup_steps=2", "train.dflash_anchors=16", "train.dflash_gamma=4",
+                     "train.eval_interval=12", "train.save_interval=0", "data.batch_size=2",
+                     "data.eval_max_samples=2", "train.chunk_size=512")
+    evals = [r for r in rows if r["kind"] == "eval"]
     first, last = evals[0], evals[-1]
     print(f"held-out loss_k sum {sum(first['loss_k']):.2f} -> {sum(last['loss_k']):.2f}, acc_1 "
           f"{first['acc_k'][0]:.3f} -> {last['acc_k'][0]:.3f}, sim_tau {first['sim_tau']:.3f} -> {last['sim_tau']:.3f}")

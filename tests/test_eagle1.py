@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_train
 
 from eval.sampling import SamplingParams
 from eval.spec_decode import SpecSettings, SpeculativeDecoder, plain_generate
@@ -23,7 +21,6 @@ from train.eagle1 import TOKEN_WEIGHT, Eagle1Objective
 from train.ttt import TTTSettings
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _drafter_for(target, seed: int = 0) -> Eagle1Drafter:
@@ -143,14 +140,10 @@ def test_loss_matches_the_definition_and_splits_exactly() -> None:
 
 def test_short_real_run_on_embedded_target_learns(smollm2_prep_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "+exp=debug", "model=eagle1", f"data.dir={smollm2_prep_dir}",
-           f"out_dir={out}", "train.max_steps=30", "train.epochs=100", "train.ttt_steps=1", "train.eval_ttt_steps=3",
-           "train.lr=5e-4", "train.warmup_steps=3", "train.eval_interval=30", "train.save_interval=0",
-           "data.batch_size=2", "data.eval_max_samples=2"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env={**env, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = run_train(out, "+exp=debug", "model=eagle1", f"data.dir={smollm2_prep_dir}", "train.max_steps=30",
+                     "train.epochs=100", "train.ttt_steps=1", "train.eval_ttt_steps=3", "train.lr=5e-4",
+                     "train.warmup_steps=3", "train.eval_interval=30", "train.save_interval=0", "data.batch_size=2",
+                     "data.eval_max_samples=2")
     evals = [r for r in rows if r["kind"] == "eval"]
     first, last = evals[0], evals[-1]
     assert len(last["acc_k"]) == 3  # held-out unrolls eval_ttt_steps

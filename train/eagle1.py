@@ -73,9 +73,10 @@ class Eagle1Objective:
 
     def loss(self, module: nn.Module, head: nn.Module, batch: Batch, normalizer: Tensor, state=None):
         s = self.settings
-        t = _terms(module, head, batch, s, hidden=top_feature(head, batch).to(module.fc.weight.dtype))
+        features = top_feature(head, batch)
+        t = _terms(module, head, batch, s, hidden=features.to(module.fc.weight.dtype))
         dtype = torch.promote_types(t["rows"][0].dtype, torch.float32)  # bf16 runs sum in fp32
-        target = head.norm(batch.teacher_hidden[t["b_idx"], t["j_idx"]]).to(dtype)  # f_j per row [N, H]
+        target = features[t["b_idx"], t["j_idx"]].to(dtype)  # f_j per row [N, H]
         valid = t["valid"]
         feat = torch.stack([
             (F.smooth_l1_loss(row.to(dtype), target, reduction="none").mean(-1) * valid[k]).sum()

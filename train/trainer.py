@@ -136,8 +136,8 @@ def save_checkpoint(engine: Engine, module, run_dir: Path, step: int, cursor: Cu
 
 def export_buffers(module) -> dict[str, Tensor]:
     """The drafter's persistent integer/bool buffers (vocab maps): trained state a checkpoint must carry."""
-    return {n: b.cpu() for n, b in module.state_dict().items() if not b.is_floating_point() and n not in
-            dict(module.named_parameters())}
+    params = {n for n, _ in module.named_parameters()}
+    return {n: b.cpu() for n, b in module.state_dict().items() if not b.is_floating_point() and n not in params}
 
 
 def export(engine: Engine, module, out: Path, method: str) -> None:
