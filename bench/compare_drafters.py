@@ -105,6 +105,14 @@ def train(args: argparse.Namespace, name: str, overrides: list[str], exp: str) -
     return json.loads(summary.read_text())
 
 
+def eval_history(run_dir: Path) -> list[dict]:
+    """The run's held-out evaluations in step order (`train.eval_interval` > 0 gives a learning curve)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    last = {r["step"]: r for r in rows if r.get("kind") == "eval"}  # a resumed run may repeat a step
+    return [{"step": s, "sim_tau": r.get("sim_tau"), "acc_0": (r.get("acc_k") or [None])[0]}
+            for s, r in sorted(last.items())]
+
+
 def evaluate(args: argparse.Namespace, name: str, mode: str, temperature: float) -> dict:
     out = Path(args.out) / name / f"eval_{mode}_t{temperature:g}"
     report = out / "report.json"
@@ -119,15 +127,26 @@ def evaluate(args: argparse.Namespace, name: str, mode: str, temperature: float)
 
 
 def plot(results: dict, path: Path) -> None:
-    """One panel of held-out per-step accuracy (teacher-forced), then one per decoding mode x temperature."""
+    """Held-out sim τ over training, held-out per-step accuracy (teacher-forced), then one panel per decoding
+    mode x temperature."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = ["held-out", *sorted({key for r in results.values() for key in r["decode"]})]
+    panels = ["learning", "held-out", *sorted({key for r in results.values() for key in r["decode"]})]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
     for ax, panel in zip(axes[0], panels):
+        if panel == "learning":
+            for name, r in results.items():
+                curve = [h for h in r["eval_history"] if h["sim_tau"] is not None]
+                ax.plot([h["step"] for h in curve], [h["sim_tau"] for h in curve], marker="o", label=name)
+            ax.set_title("held-out simulated τ during training")
+            ax.set_xlabel("optimizer step")
+            ax.set_ylabel("sim τ")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+            continue
         for name, r in results.items():
             if panel == "held-out":
                 values, label = r["acc_k"] or [], f"{name} (sim τ {r['sim_tau'] or float('nan'):.2f})"
@@ -143,8 +162,9 @@ def plot(results: dict, path: Path) -> None:
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    axes[0][min(1, len(panels) - 1)].set_ylabel("α_n = P(accept | all before accepted)")
-    axes[0][0].set_ylabel("acc_k")
+    if len(panels) > 2:
+        axes[0][2].set_ylabel("α_n = P(accept | all before accepted)")
+    axes[0][1].set_ylabel("acc_k")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -178,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
         ev = summary.get("eval") or {}
         results[name] = {"overrides": overrides, "train_wall_s": summary.get("wall_s"), "steps": summary.get("steps"),
                          "sim_tau": ev.get("sim_tau"), "acc_k": ev.get("acc_k"), "alpha_k": ev.get("alpha_k"),
-                         "decode": {}}
+                         "eval_history": eval_history(Path(args.out) / name), "decode": {}}
         for mode in filter(None, args.modes.split(",")):
             for temperature in map(float, args.temperatures.split(",")):
                 rep = evaluate(args, name, mode, temperature)

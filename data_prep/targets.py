@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -106,9 +108,13 @@ def _package_dir(package: str) -> Path:
 
 
 def materialise_embedded(preset: TargetPreset) -> Path:
-    """Convert the embedded GGUF into a plain HF directory once; return that directory."""
+    """Convert the embedded GGUF into a plain HF directory once; return that directory.
+
+    Every rank of a cold `make prep` gets here at once: each converts into its own temporary directory and
+    renames it into place atomically, so `out` only ever exists complete and the losers discard their copy.
+    """
     out = cache_dir() / preset.name
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+    if _is_complete(out):
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -122,11 +128,25 @@ def materialise_embedded(preset: TargetPreset) -> Path:
         config._name_or_path = preset.hf_id
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict())
-    tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out) if not out.exists() else None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out.exists() and not _is_complete(out):
+            shutil.rmtree(out, ignore_errors=True)  # left half-written by an older, non-atomic version
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not _is_complete(out):  # not another rank's finished copy: a real error
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _is_complete(model_dir: Path) -> bool:
+    return (model_dir / "config.json").exists() and (model_dir / "model.safetensors").exists()
 
 
 def model_path(preset: TargetPreset) -> str:

@@ -38,3 +38,29 @@ def test_local_directory_reads_its_config(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="config.json"):
         resolve_target(str(tmp_path / "empty"))
+
+
+def _materialise_in_child(cache: str) -> str:
+    import os
+
+    os.environ["DRAFTERS_CACHE"] = cache
+    from data_prep.targets import materialise_embedded
+
+    return str(materialise_embedded(resolve_target("smollm2-135m-instruct")))
+
+
+def test_cold_cache_two_ranks_materialise_at_once(tmp_path: Path, smollm2_dir: Path) -> None:
+    """A cold `make prep` with 2 ranks: both convert the embedded model at the same moment (this raced and
+    failed on a fresh machine before the conversion went through a private directory + atomic rename)."""
+    import multiprocessing as mp
+
+    from safetensors.torch import load_file
+
+    cache = tmp_path / "cache"
+    (cache / "smollm2-135m-instruct").mkdir(parents=True)  # a half-written copy, as the old code could leave
+    with mp.get_context("spawn").Pool(2) as pool:
+        dirs = pool.map(_materialise_in_child, [str(cache)] * 2)
+    assert dirs == [str(cache / "smollm2-135m-instruct")] * 2
+    assert sorted(p.name for p in cache.iterdir()) == ["smollm2-135m-instruct"]  # no temporaries left
+    got, ref = load_file(Path(dirs[0]) / "model.safetensors"), load_file(smollm2_dir / "model.safetensors")
+    assert got.keys() == ref.keys() and all(got[k].equal(ref[k]) for k in ref)
