@@ -8,6 +8,7 @@ directory so that later loads take about a second instead of dequantising for ~2
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -110,39 +111,49 @@ def _package_dir(package: str) -> Path:
 def materialise_embedded(preset: TargetPreset) -> Path:
     """Convert the embedded GGUF into a plain HF directory once; return that directory.
 
-    Every rank of a cold `make prep` gets here at once: each converts into its own temporary directory and
-    renames it into place atomically, so `out` only ever exists complete and the losers discard their copy.
+    Every rank of a cold `make prep` gets here at once: a file lock lets one process convert while the others
+    wait, and the copy is written to a private directory and renamed into place, so `out` only ever exists
+    complete (a crash leaves a temporary directory, never a half-written `out`).
     """
     out = cache_dir() / preset.name
     if _is_complete(out):
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with (out.parent / f".{out.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _is_complete(out):  # another process may have finished while this one waited
+            _convert_gguf(preset, out)
+    return out
+
+
+def _convert_gguf(preset: TargetPreset, out: Path) -> None:
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     package, gguf = preset.embedded.split(":")
     src = _package_dir(package)
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf)
-    gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32)
-    config = gguf_model.config
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32)
+    config = model.config
     config.quantization_config = None  # weights are dequantised; a plain checkpoint must not claim GGUF
     if hasattr(config, "_name_or_path"):
         config._name_or_path = preset.hf_id
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(gguf_model.state_dict())
-    out.parent.mkdir(parents=True, exist_ok=True)
+    state = model.state_dict()
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # tied to the embedding, as in the hub checkpoint
+    if out.exists():
+        shutil.rmtree(out)  # half-written by an older, non-atomic version of this function
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        model.save_pretrained(tmp)
+        # Not model.save_pretrained: under torch.distributed it writes the weights on rank 0 only.
+        save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+        config.save_pretrained(tmp)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if out.exists() and not _is_complete(out):
-            shutil.rmtree(out, ignore_errors=True)  # left half-written by an older, non-atomic version
-        try:
-            tmp.rename(out)
-        except OSError:
-            if not _is_complete(out):  # not another rank's finished copy: a real error
-                raise
+        tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def _is_complete(model_dir: Path) -> bool:

@@ -40,18 +40,31 @@ def test_local_directory_reads_its_config(tmp_path: Path) -> None:
         resolve_target(str(tmp_path / "empty"))
 
 
-def _materialise_in_child(cache: str) -> str:
+
+def _materialise_on_rank(rank: int, cache: str, init_file: str) -> str:
+    """One rank of a cold 2-rank prep: torch.distributed is up (it changes what transformers writes)."""
     import os
 
-    os.environ["DRAFTERS_CACHE"] = cache
-    from data_prep.targets import materialise_embedded
+    import torch.distributed as dist
 
-    return str(materialise_embedded(resolve_target("smollm2-135m-instruct")))
+    os.environ["DRAFTERS_CACHE"] = cache
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        from transformers import AutoModelForCausalLM
+
+        from data_prep.targets import materialise_embedded
+
+        out = materialise_embedded(resolve_target("smollm2-135m-instruct"))
+        AutoModelForCausalLM.from_pretrained(out)  # what prep does next, on every rank
+        return str(out)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_cold_cache_two_ranks_materialise_at_once(tmp_path: Path, smollm2_dir: Path) -> None:
-    """A cold `make prep` with 2 ranks: both convert the embedded model at the same moment (this raced and
-    failed on a fresh machine before the conversion went through a private directory + atomic rename)."""
+    """A cold `make prep` with 2 ranks reaches the conversion at the same moment. This failed on a fresh machine:
+    the ranks shared one temporary directory, and under torch.distributed transformers' save_pretrained writes
+    the weights on rank 0 only, so rank 1 could publish a directory without them."""
     import multiprocessing as mp
 
     from safetensors.torch import load_file
@@ -59,8 +72,9 @@ def test_cold_cache_two_ranks_materialise_at_once(tmp_path: Path, smollm2_dir: P
     cache = tmp_path / "cache"
     (cache / "smollm2-135m-instruct").mkdir(parents=True)  # a half-written copy, as the old code could leave
     with mp.get_context("spawn").Pool(2) as pool:
-        dirs = pool.map(_materialise_in_child, [str(cache)] * 2)
+        dirs = pool.starmap(_materialise_on_rank, [(r, str(cache), str(tmp_path / "pg")) for r in range(2)])
     assert dirs == [str(cache / "smollm2-135m-instruct")] * 2
-    assert sorted(p.name for p in cache.iterdir()) == ["smollm2-135m-instruct"]  # no temporaries left
+    assert sorted(p.name for p in cache.iterdir()) == [".smollm2-135m-instruct.lock", "smollm2-135m-instruct"]
     got, ref = load_file(Path(dirs[0]) / "model.safetensors"), load_file(smollm2_dir / "model.safetensors")
     assert got.keys() == ref.keys() and all(got[k].equal(ref[k]) for k in ref)
+    assert json.loads((Path(dirs[0]) / "config.json").read_text())["model_type"] == "llama"
