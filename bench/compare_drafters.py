@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
             for temperature in map(float, args.temperatures.split(",")):
                 rep = evaluate(args, name, mode, temperature)
                 keep = ("tau_pooled", "tau_per_request_mean", "per_position_acceptance", "speedup", "tokens_per_s",
-                        "num_prompts")
+                        "num_prompts", "outputs_identical_to_baseline")
                 results[name]["decode"][f"{mode} T={temperature:g}"] = {k: rep.get(k) for k in keep}
     record = {"suite": args.suite, "prep": str(args.prep), "nproc": args.nproc, "train_args": args.train_args,
               "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "results": results}
