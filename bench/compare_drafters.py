@@ -126,45 +126,45 @@ def evaluate(args: argparse.Namespace, name: str, mode: str, temperature: float)
     return json.loads(report.read_text())
 
 
+def _panels(results: dict) -> list[tuple[str, str, str, tuple | None, list]]:
+    """(title, x label, y label, y limits, [(label, xs, ys)]) per panel: held-out sim τ over training, held-out
+    acc_k (teacher-forced), then α_n per decoding mode x temperature."""
+    def points(values: list) -> tuple[list, list]:
+        xs = [i for i, v in enumerate(values) if v is not None]
+        return xs, [values[i] for i in xs]
+
+    learning = []
+    for name, r in results.items():
+        curve = [h for h in r["eval_history"] if h["sim_tau"] is not None]
+        learning.append((name, [h["step"] for h in curve], [h["sim_tau"] for h in curve]))
+    held_out = [(f"{name} (sim τ {r['sim_tau'] or float('nan'):.2f})", *points(r["acc_k"] or []))
+                for name, r in results.items()]
+    panels = [("held-out simulated τ during training", "optimizer step", "sim τ", None, learning),
+              ("held-out acc_k (teacher-forced)", "TTT step k", "acc_k", (0, 1.02), held_out)]
+    for key in sorted({key for r in results.values() for key in r["decode"]}):
+        curves = [(f"{name} (τ {r['decode'][key]['tau_pooled']:.2f})",
+                   *points(r["decode"][key]["per_position_acceptance"]))
+                  for name, r in results.items() if key in r["decode"]]
+        panels.append((key, "draft depth n", "α_n = P(accept | all before accepted)", (0, 1.02), curves))
+    return panels
+
+
 def plot(results: dict, path: Path) -> None:
-    """Held-out sim τ over training, held-out per-step accuracy (teacher-forced), then one panel per decoding
-    mode x temperature."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = ["learning", "held-out", *sorted({key for r in results.values() for key in r["decode"]})]
+    panels = _panels(results)
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
-        if panel == "learning":
-            for name, r in results.items():
-                curve = [h for h in r["eval_history"] if h["sim_tau"] is not None]
-                ax.plot([h["step"] for h in curve], [h["sim_tau"] for h in curve], marker="o", label=name)
-            ax.set_title("held-out simulated τ during training")
-            ax.set_xlabel("optimizer step")
-            ax.set_ylabel("sim τ")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-            continue
-        for name, r in results.items():
-            if panel == "held-out":
-                values, label = r["acc_k"] or [], f"{name} (sim τ {r['sim_tau'] or float('nan'):.2f})"
-            elif panel in r["decode"]:
-                rep = r["decode"][panel]
-                values, label = rep["per_position_acceptance"], f"{name} (τ {rep['tau_pooled']:.2f})"
-            else:
-                continue
-            xs = [i for i, a in enumerate(values) if a is not None]
-            ax.plot(xs, [values[i] for i in xs], marker="o", label=label)
-        ax.set_title(panel if panel != "held-out" else "held-out acc_k (teacher-forced)")
-        ax.set_xlabel("draft depth n" if panel != "held-out" else "TTT step k")
-        ax.set_ylim(0, 1.02)
+    for ax, (title, xlabel, ylabel, ylim, curves) in zip(axes[0], panels):
+        for label, xs, ys in curves:
+            ax.plot(xs, ys, marker="o", label=label)
+        ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        if ylim:
+            ax.set_ylim(*ylim)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    if len(panels) > 2:
-        axes[0][2].set_ylabel("α_n = P(accept | all before accepted)")
-    axes[0][1].set_ylabel("acc_k")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -40,7 +40,6 @@ def test_local_directory_reads_its_config(tmp_path: Path) -> None:
         resolve_target(str(tmp_path / "empty"))
 
 
-
 def _materialise_on_rank(rank: int, cache: str, init_file: str) -> str:
     """One rank of a cold 2-rank prep: torch.distributed is up (it changes what transformers writes)."""
     import os
