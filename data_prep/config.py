@@ -38,6 +38,9 @@ class CaptureConfig:
 @dataclass
 class PrepConfig:
     model: str = "smollm2-135m-instruct"  # preset name | hub id | local HF directory
+    # all: the whole prep. vocab: only (re)build <out>/draft_vocab.safetensors of a finished prep from its
+    # shards and the dataset (no model is loaded; pass the prep's own data, seed and eval_samples).
+    stage: str = "all"
     data: str = "sharegpt-embedded"  # preset | hub id | local JSON/JSONL/Parquet file or directory
     out: str = MISSING
     num_samples: int = 200  # training conversations (before rendering drops); <= 0: all
@@ -45,7 +48,13 @@ class PrepConfig:
     max_length: int = 2048
     overflow: str = "truncate"  # truncate: keep the first max_length tokens | drop: skip the sample
     seed: int = 0
-    draft_vocab_size: int = 32000
+    draft_vocab_size: int = 32000  # capped at the distinct tokens counted; <= 0: the whole target vocabulary
+    # What ranks the draft vocabulary's tokens: "dataset" = the training split's loss-masked tokens mixed
+    # with the assistant tokens of every non-held-out conversation of the dataset (tokenised with the
+    # target's template, no forward; data_prep/vocab.py selection_scores); "train" = the training split only.
+    draft_vocab_count: str = "dataset"
+    draft_vocab_train_weight: float = 0.5  # the training split's share of the mixed frequency
+    draft_vocab_count_max: int = 0  # dataset conversations counted; <= 0: all
     dtype: str | None = None  # target dtype; None: the preset's
     device: str | None = None  # None: cuda if available, else cpu
     regen: RegenConfig = field(default_factory=RegenConfig)
@@ -60,5 +69,11 @@ class PrepConfig:
             raise ValueError(f"capture.teacher must be hidden|topk|argmax, got {self.capture.teacher!r}")
         if self.capture.taps_dtype not in ("bfloat16", "float8_e4m3fn"):
             raise ValueError(f"capture.taps_dtype must be bfloat16|float8_e4m3fn, got {self.capture.taps_dtype!r}")
+        if self.stage not in ("all", "vocab"):
+            raise ValueError(f"stage must be all|vocab, got {self.stage!r}")
+        if self.draft_vocab_count not in ("dataset", "train"):
+            raise ValueError(f"draft_vocab_count must be dataset|train, got {self.draft_vocab_count!r}")
+        if not 0.0 <= self.draft_vocab_train_weight <= 1.0:
+            raise ValueError(f"draft_vocab_train_weight must be in [0, 1], got {self.draft_vocab_train_weight}")
         if self.max_length < 8:
             raise ValueError("max_length must be >= 8")

@@ -3,7 +3,8 @@
 Output directory (the prep contract; the shard format itself is documented in data_prep/shards.py):
 
     <out>/train/, <out>/eval/        shard sets (manifest.json + shards/); eval is held out, never trained on
-    <out>/draft_vocab.safetensors    d2t, t2d, token_counts (from the train split's loss-masked tokens)
+    <out>/draft_vocab.safetensors    d2t, t2d, token_counts (the train split's loss-masked tokens),
+                                     dataset_counts, selection_scores (data_prep/vocab.py)
     <out>/target_head.safetensors    frozen target embed_tokens / norm / lm_head, so training needs no target
     <out>/target_config.json         the target's HF config
     <out>/tokenizer/                 the target's tokenizer (loss-mask viewer, eval)
@@ -44,7 +45,14 @@ from data_prep.shards import (
     sha256_file,
 )
 from data_prep.targets import TargetPreset, load_target, resolve_target
-from data_prep.vocab import VOCAB_FILE, build_draft_vocab, count_tokens, coverage, save_draft_vocab
+from data_prep.vocab import (
+    VOCAB_FILE,
+    build_draft_vocab,
+    count_tokens,
+    coverage,
+    save_draft_vocab,
+    selection_scores,
+)
 
 SPLITS = ("train", "eval")
 NOT_SKIPS = ("captured_tokens", "truncated to max_length")  # counted, but the sample is kept
@@ -78,12 +86,28 @@ def _device(cfg: PrepConfig) -> str:
 
 
 def select_conversations(cfg: PrepConfig) -> tuple[dict[str, list[Conversation]], dict]:
-    """Load, split (seeded, by id) and cap the conversations; same answer on every rank."""
+    """Load, split (seeded, by id) and cap the conversations; same answer on every rank.
+    Besides the splits, "pool": every conversation that is not held out (what the draft vocabulary counts)."""
     conversations, skips = load_conversations(cfg.data)
-    train, held_out = split_conversations(conversations, eval_count=cfg.eval_samples, seed=cfg.seed)
-    if cfg.num_samples > 0:
-        train = train[: cfg.num_samples]
-    return {"train": train, "eval": held_out}, skips.to_dict()
+    pool, held_out = split_conversations(conversations, eval_count=cfg.eval_samples, seed=cfg.seed)
+    train = pool[: cfg.num_samples] if cfg.num_samples > 0 else pool
+    return {"train": train, "eval": held_out, "pool": pool}, skips.to_dict()
+
+
+def dataset_token_counts(cfg: PrepConfig, tokenizer, convs: list[Conversation], preset: TargetPreset,
+                         vocab_size: int) -> torch.Tensor:
+    """Assistant (loss-masked) token counts of `convs` as the dataset wrote them, with the target's template:
+    the large, forward-free count behind the draft vocabulary. Records the template refuses count nothing."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    if cfg.draft_vocab_count_max > 0:
+        convs = convs[: cfg.draft_vocab_count_max]
+    for conv in tqdm(convs, desc="count tokens for the draft vocab", unit="conv", mininterval=5):
+        result = render_conversation(tokenizer, conv.messages, max_length=cfg.max_length, overflow="truncate",
+                                     template_kwargs=template_kwargs(cfg, preset))
+        if not isinstance(result, Dropped):
+            ids = torch.tensor(result.input_ids)
+            counts += torch.bincount(ids[torch.tensor(result.loss_mask, dtype=torch.bool)], minlength=vocab_size)
+    return counts
 
 
 def first_prompt_tokens(tokenizer, conv: Conversation, kwargs: dict) -> int:
@@ -233,15 +257,60 @@ def save_target_files(model, tokenizer, out: Path) -> None:
     tokenizer.save_pretrained(out / "tokenizer")
 
 
-def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, model, tokenizer, world: int) -> dict:
-    """Rank 0, after every rank closed its writers: manifests, draft vocab, target files, summary."""
-    manifests = {split: merge_manifests(out / split) for split in SPLITS}
+def write_draft_vocab(cfg: PrepConfig, out: Path, tokenizer, pool: list[Conversation], preset: TargetPreset,
+                      vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """<out>/draft_vocab.safetensors from the train shards' loss tokens (+ the dataset-wide count)."""
     from data_prep.shards import ShardSet
 
     train = ShardSet(out / "train", verify="none")
-    counts = count_tokens(((s.input_ids, s.loss_mask) for s in train), spec.vocab_size)
-    d2t, t2d = build_draft_vocab(counts, cfg.draft_vocab_size)
-    save_draft_vocab(out / VOCAB_FILE, d2t, t2d, counts)
+    counts = count_tokens(((s.input_ids, s.loss_mask) for s in train), vocab_size)
+    dataset_counts = None
+    if cfg.draft_vocab_count == "dataset":
+        dataset_counts = dataset_token_counts(cfg, tokenizer, pool, preset, vocab_size)
+    scores = selection_scores(counts, dataset_counts, cfg.draft_vocab_train_weight)
+    d2t, t2d = build_draft_vocab(scores, cfg.draft_vocab_size)
+    save_draft_vocab(out / VOCAB_FILE, d2t, t2d, counts, dataset_counts, scores)
+    return d2t, t2d, counts, dataset_counts
+
+
+def rebuild_draft_vocab(cfg: PrepConfig) -> dict:
+    """`stage=vocab`: a finished prep's draft vocabulary built anew (e.g. another size or count), no model;
+    summary.json's vocabulary fields are updated."""
+    from transformers import AutoTokenizer
+
+    out = Path(cfg.out)
+    summary_path = out / "summary.json"
+    if not summary_path.exists():
+        raise FileNotFoundError(f"{summary_path} is missing: stage=vocab needs a finished prep in {out}")
+    summary = json.loads(summary_path.read_text())
+    tokenizer = AutoTokenizer.from_pretrained(out / "tokenizer")
+    splits, _ = select_conversations(cfg)
+    vocab_size = int(json.loads((out / "target_config.json").read_text())["vocab_size"])
+    d2t, t2d, counts, dataset_counts = write_draft_vocab(cfg, out, tokenizer, splits["pool"], resolve_target(cfg.model),
+                                                         vocab_size)
+    summary.update(vocab_summary(cfg, d2t, t2d, counts, dataset_counts))
+    summary_path.write_text(json.dumps(summary, indent=1))
+    print(f"draft vocab {summary['draft_vocab_size']} ids → {out / VOCAB_FILE}")
+    return summary
+
+
+def vocab_summary(cfg: PrepConfig, d2t, t2d, counts, dataset_counts) -> dict:
+    return {
+        "draft_vocab_size": int(d2t.numel()),
+        "draft_vocab_coverage": coverage(counts, t2d),  # of the training split's loss tokens
+        "draft_vocab_count": {"source": cfg.draft_vocab_count, "train_weight": cfg.draft_vocab_train_weight,
+                              "dataset_tokens": int(dataset_counts.sum()) if dataset_counts is not None else 0,
+                              "dataset_coverage": coverage(dataset_counts, t2d) if dataset_counts is not None
+                              else None},
+    }
+
+
+def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, model, tokenizer, world: int, pool: list[Conversation],
+           preset: TargetPreset) -> dict:
+    """Rank 0, after every rank closed its writers: manifests, draft vocab, target files, summary."""
+    manifests = {split: merge_manifests(out / split) for split in SPLITS}
+
+    d2t, t2d, counts, dataset_counts = write_draft_vocab(cfg, out, tokenizer, pool, preset, spec.vocab_size)
     save_target_files(model, tokenizer, out)
 
     parts = [json.loads((out / f"summary.r{r}.json").read_text()) for r in range(world)]
@@ -275,8 +344,7 @@ def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, model, tokenizer, world:
         "bytes_per_token": bytes_per_token(spec)["total"],
         "bytes_per_token_options": {k: v["total"] for k, v in options.items()},
         "capture_tokens_per_s": total["captured_tokens"] / capture_s,
-        "draft_vocab_size": int(d2t.numel()),
-        "draft_vocab_coverage": coverage(counts, t2d),
+        **vocab_summary(cfg, d2t, t2d, counts, dataset_counts),
         "target_head_sha256": sha256_file(out / "target_head.safetensors"),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -285,6 +353,8 @@ def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, model, tokenizer, world:
 
 def run(cfg: PrepConfig) -> dict | None:
     cfg.validate()
+    if cfg.stage == "vocab":
+        return rebuild_draft_vocab(cfg) if int(os.environ.get("RANK", 0)) == 0 else None
     rank, world = _world()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -327,7 +397,7 @@ def run(cfg: PrepConfig) -> dict | None:
         {"counts": counts, "loader_skips": loader_skips, "regen": regen_summary,
          "capture_seconds": capture_seconds}, default=dict))
     _barrier(world)
-    summary = finish(cfg, out, spec, model, tokenizer, world) if rank == 0 else None
+    summary = finish(cfg, out, spec, model, tokenizer, world, splits["pool"], preset) if rank == 0 else None
     _barrier(world)
     if rank == 0:
         print_summary(summary, out)
@@ -348,5 +418,7 @@ def print_summary(summary: dict, out: Path) -> None:
           f"capture {summary['capture_tokens_per_s']:.0f} tokens/s")
     for name, b in summary["bytes_per_token_options"].items():
         print(f"  storage option {name}: {b} B/token")
-    print(f"  draft vocab {summary['draft_vocab_size']} ids, coverage {summary['draft_vocab_coverage']:.3f}")
+    dataset = summary["draft_vocab_count"]["dataset_coverage"]
+    print(f"  draft vocab {summary['draft_vocab_size']} ids, coverage of the train split's loss tokens "
+          f"{summary['draft_vocab_coverage']:.3f}" + ("" if dataset is None else f", of the dataset's {dataset:.3f}"))
 

@@ -1,7 +1,12 @@
-"""The reduced draft vocabulary: the Vd most frequent loss-masked target tokens, sorted by id.
+"""The reduced draft vocabulary: the Vd most frequent target tokens of the replies, sorted by id.
 
 Engines map a draft id to a target id by an OFFSET table, target_id = draft_id + d2t[draft_id]
 (method.md §4.1); t2d marks which target ids the drafter can emit. Both ship with the drafter.
+
+A token outside the draft vocabulary can never be drafted, so the count that ranks tokens should be as
+large as it is cheap: besides the loss-masked tokens of the (regenerated) training split, prep counts the
+assistant tokens of every conversation the dataset offers, rendered with the target's template (no model
+forward; held-out conversations excluded). The ranking score mixes the two frequencies (`selection_scores`).
 """
 
 from __future__ import annotations
@@ -23,18 +28,34 @@ def count_tokens(samples: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_siz
     return counts
 
 
+def selection_scores(train_counts: torch.Tensor, dataset_counts: torch.Tensor | None,
+                     train_weight: float) -> torch.Tensor:
+    """float64 [V]: train_weight · f_train + (1 − train_weight) · f_dataset, f = counts / their total.
+
+    The training split's tokens (the target's own replies when regenerated) weigh `train_weight`; the
+    dataset-wide count supplies the ranking of everything that split is too small to have seen.
+    Without a dataset count (or an empty one) the score is f_train alone."""
+    def freq(c: torch.Tensor) -> torch.Tensor:
+        total = c.sum()
+        return c.double() / total if total > 0 else torch.zeros_like(c, dtype=torch.float64)
+
+    if dataset_counts is None or dataset_counts.sum() == 0:
+        return freq(train_counts)
+    return train_weight * freq(train_counts) + (1.0 - train_weight) * freq(dataset_counts)
+
+
 def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (d2t int64[Vd], t2d bool[V]).
+    """Return (d2t int64[Vd], t2d bool[V]) from per-token counts or scores [V] (higher = kept first).
 
     Vd = min(draft_vocab_size, V, number of distinct tokens seen): a draft row for a token that never
-    occurs in training is never trained, so it is left out rather than padded in. Ties in frequency are
-    broken by the smaller id, so the result is deterministic.
+    occurs is never trained, so it is left out rather than padded in; draft_vocab_size <= 0 keeps the
+    whole target vocabulary (d2t all 0). Ties are broken by the smaller id, so the result is deterministic.
     """
     vocab_size = counts.numel()
     seen = int((counts > 0).sum())
     if seen == 0:
         raise ValueError("no loss-masked tokens to build a draft vocabulary from")
-    size = min(draft_vocab_size, vocab_size, seen)
+    size = vocab_size if draft_vocab_size <= 0 else min(draft_vocab_size, vocab_size, seen)
     # Stable sort of -count keeps smaller ids first among equal counts.
     order = torch.sort(-counts, stable=True).indices[:size]
     selected = torch.sort(order).values  # draft ids follow target-id order
@@ -44,8 +65,16 @@ def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torc
     return d2t, t2d
 
 
-def save_draft_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: torch.Tensor) -> None:
-    save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous(), "token_counts": counts.contiguous()}, str(path))
+def save_draft_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: torch.Tensor,
+                     dataset_counts: torch.Tensor | None = None, scores: torch.Tensor | None = None) -> None:
+    """counts: the training split's loss-masked tokens; dataset_counts: the dataset-wide count; scores:
+    the ranking d2t was cut from (what a drafter of another size is cut from, `draft_vocab_of_size`)."""
+    tensors = {"d2t": d2t, "t2d": t2d, "token_counts": counts}
+    if dataset_counts is not None:
+        tensors["dataset_counts"] = dataset_counts
+    if scores is not None:
+        tensors["selection_scores"] = scores
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
 
 
 def load_draft_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +82,14 @@ def load_draft_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     return tensors["d2t"], tensors["t2d"]
 
 
+def draft_vocab_of_size(path: str | Path, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of another size cut from the same ranking as the saved vocabulary (older files without
+    `selection_scores` rank by the training split's counts)."""
+    tensors = load_file(str(path))
+    return build_draft_vocab(tensors.get("selection_scores", tensors["token_counts"]), draft_vocab_size)
+
+
 def coverage(counts: torch.Tensor, t2d: torch.Tensor) -> float:
-    """Fraction of loss-masked training tokens the draft vocabulary can emit."""
+    """Fraction of the counted tokens the draft vocabulary can emit."""
     total = counts.sum().item()
     return float(counts[t2d].sum().item() / total) if total else 0.0

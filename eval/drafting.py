@@ -22,6 +22,7 @@ from torch import Tensor
 
 from eval.sampling import SamplingParams
 from eval.tree import DraftTree, chain_tree, select_top_m
+from models.eagle3 import next_input
 
 
 class DraftingStrategy(Protocol):
@@ -115,7 +116,8 @@ def draft_chain(
         values.append(value)
         if k + 1 < steps:
             pos = torch.tensor([[prefix_len + k]], device=h.device)
-            h = drafter.forward_step(h[None, None], torch.tensor([[x]], device=h.device), pos, cache)[0, 0]
+            h = drafter.forward_step(next_input(drafter, h)[None, None], torch.tensor([[x]], device=h.device), pos,
+                                     cache)[0, 0]
     return chain_tree(root_token, tokens, values, qs)
 
 
@@ -155,7 +157,8 @@ def draft_tree(
             allowed[i, layer_anc[s]] = True
             allowed[i, base + i] = True
         pos = torch.full((1, n_sel), prefix_len - 1 + d, dtype=torch.long, device=device)
-        out = drafter.forward_step(layer_hidden[sel][None], ids[None], pos, cache, attn_mask=allowed[None, None].to(device))
+        out = drafter.forward_step(next_input(drafter, layer_hidden[sel])[None], ids[None], pos, cache,
+                                   attn_mask=allowed[None, None].to(device))
         child_logp = _log_probs(drafter, out[0])  # [n_sel, Vd]
         ctop = torch.topk(child_logp, k, dim=-1)
         draft_ids.append(ctop.indices.reshape(-1).cpu())

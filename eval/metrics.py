@@ -7,11 +7,15 @@ acceptance events, so τ is computed from the per-step accepted lengths:
 - tau_per_request_mean = mean over requests of that ratio (labelled separately: short requests weigh
   as much as long ones).
 - α_n = accepted at draft depth n / attempted at depth n, attempted = every draft before it accepted.
+- oov_rate = share of the emitted tokens (every output token, prefill's included) that lie outside
+  the drafter's vocabulary (t2d False): tokens the drafter can never propose.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import torch
 
 from eval.spec_decode import GenerationRecord
 
@@ -63,3 +67,11 @@ def summarize(records: Sequence[GenerationRecord], depth: int | None = None) -> 
         "verify_forwards": sum(r.verify_forwards for r in records),
         "new_tokens": sum(len(r.output_ids) for r in records),
     }
+
+
+def oov_rate(records: Sequence[GenerationRecord], t2d: torch.Tensor) -> float:
+    """Share of emitted tokens outside the draft vocabulary (t2d: bool [V])."""
+    ids = [i for r in records for i in r.output_ids]
+    if not ids:
+        return float("nan")
+    return float((~t2d.cpu()[torch.tensor(ids, dtype=torch.long)]).double().mean())

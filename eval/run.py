@@ -140,6 +140,8 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
         bar.set_postfix(tau=f"{metrics.tau_pooled(spec_recs):.2f}")
 
     summary = metrics.summarize(spec_recs, decoder.depth)
+    t2d = getattr(drafter, "t2d", None)  # None: a drafter over the full vocabulary (DFlash)
+    summary["oov_rate"] = metrics.oov_rate(spec_recs, t2d) if t2d is not None else 0.0
     spec_rate = _rate(spec_recs)
     base_rate = _rate(base_recs) if base_recs else float("nan")
     report = {
@@ -156,6 +158,7 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
         # what the drafter really did: a DFlash drafter drafts its block (block_size) whatever decode.depth says
         "drafting": decoder.strategy.describe(),
         "tau_definition": "(accepted drafts + 1 bonus) per verify forward; prefill and budget cut excluded",
+        "oov_rate_definition": "share of emitted tokens outside the draft vocabulary (never proposable)",
         **summary,
         "tokens_per_s": {"speculative": spec_rate, "baseline": base_rate},
         "speedup": spec_rate / base_rate if base_recs else None,
@@ -227,7 +230,8 @@ def format_summary(report: dict) -> str:
         f"target={report['target']}  drafter={report['drafter']}  prompts={report['prompts']} "
         f"({report['num_prompts']} prompts, {report['num_requests']} turns)",
         decode,
-        f"tau pooled={report['tau_pooled']:.3f}  tau per-request mean={report['tau_per_request_mean']:.3f}",
+        f"tau pooled={report['tau_pooled']:.3f}  tau per-request mean={report['tau_per_request_mean']:.3f}  "
+        f"emitted tokens outside the draft vocab={report.get('oov_rate', float('nan')):.3f}",
         "alpha_n: " + " ".join("n/a" if a is None else f"{a:.2f}" for a in report["per_position_acceptance"]),
         f"tokens/s: speculative={tps['speculative']:.1f} baseline={tps['baseline']:.1f}  "
         f"speedup={report['speedup'] if report['speedup'] is None else round(report['speedup'], 3)} ({budget})",

@@ -21,7 +21,7 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 # Other names public EAGLE-3 checkpoints use for the same layout.
 ARCHITECTURE_ALIASES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")
 # eagle_config switches of vLLM's loader that change the forward; only their default (off) is implemented.
-_UNSUPPORTED_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+_UNSUPPORTED_FLAGS = ("norm_before_residual", "norm_before_fc")
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -96,6 +96,10 @@ class Eagle3Config:
     max_position_embeddings: int = 2048
     hidden_act: str = "silu"
     torch_dtype: str = "bfloat16"  # dtype recorded in the exported config.json
+    # The "EAGLE-3.1" variant (vLLM's keys): an RMSNorm on each tap before fc, and the NORMED hidden state
+    # (instead of the un-normed one) fed to the next draft step.
+    fc_norm: bool = False
+    norm_output: bool = False
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -202,6 +206,8 @@ class Eagle3Config:
             "target_hidden_size": self.target_hidden_size,
             "tie_word_embeddings": False,
             "eagle_config": eagle_config,
+            "fc_norm": self.fc_norm,
+            "norm_output": self.norm_output,
             "torch_dtype": self.torch_dtype,
         }
 
@@ -245,4 +251,6 @@ class Eagle3Config:
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             hidden_act=str(d.get("hidden_act", "silu")),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
+            fc_norm=bool(d.get("fc_norm", False)),
+            norm_output=bool(d.get("norm_output", False)),
         ).validate()

@@ -1,10 +1,12 @@
 """The EAGLE-3 drafter (method.md §4.1, §8): parameter names are the export keys SGLang/vLLM load.
 
     g = fc(cat(taps))                                   # fuse the target's taps, step 0 only
+                                                        # (fc_norm: each tap RMS-normed first)
     x = cat(input_layernorm(embed(ids)), hidden_norm(h))   # (B, T, 2H): embeds FIRST, then the hidden stream
     h = h + o_proj(attn(q/k/v_proj(x)))                 # residual = the un-normed hidden stream
     h = h + mlp(post_attention_layernorm(h))            # -> forward_step's output, fed back at the next step
     logits = lm_head(norm(h))                           # over the draft vocabulary Vd
+    next step's hidden stream = h, or norm(h) with norm_output (`next_input`)
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from models.attention import AttnCore, DecodeCache, TTTCache, ttt_core
 from models.config import Eagle3Config
 from models.rope import RotaryEmbedding, apply_rope
 
-__all__ = ["Eagle3Config", "Eagle3Drafter", "RMSNorm"]
+__all__ = ["Eagle3Config", "Eagle3Drafter", "RMSNorm", "next_input"]
+
+
+def next_input(drafter: nn.Module, out: Tensor) -> Tensor:
+    """The next draft step's hidden stream from a step's output, for any drafter: its `next_input`
+    (EAGLE-3's norm_output variant normalises it), else the output itself (EAGLE-1, test stubs)."""
+    step = getattr(drafter, "next_input", None)
+    return out if step is None else step(out)
 
 
 class RMSNorm(nn.Module):
@@ -111,6 +120,9 @@ class Eagle3Drafter(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen; set by load_target_embedding
+        if cfg.fc_norm:
+            assert cfg.target_hidden_size is not None
+            self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.n_taps))
         self.fc = nn.Linear(cfg.fc_in_features, cfg.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(cfg, attn_backend, attn_options)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -161,7 +173,24 @@ class Eagle3Drafter(nn.Module):
 
     def fuse(self, taps: Tensor) -> Tensor:
         """[B, T, n_taps * target_hidden] -> [B, T, H] (step-0 hidden stream)."""
-        return self.fc(taps.to(self.fc.weight.dtype))
+        taps = taps.to(self.fc.weight.dtype)
+        if self.cfg.fc_norm:
+            taps = torch.cat([norm(t) for norm, t in zip(self.fc_norm, taps.chunk(self.cfg.n_taps, dim=-1))], -1)
+        return self.fc(taps)
+
+    def next_input(self, hidden: Tensor) -> Tensor:
+        """The hidden stream the next draft step takes from this step's output."""
+        return self.norm(hidden) if self.cfg.norm_output else hidden
+
+    @torch.no_grad()
+    def init_output_from_target(self, lm_head_weight: Tensor | None, norm_weight: Tensor | None) -> None:
+        """lm_head = the target LM head's rows at the draft ids (set the vocab mapping first); norm = the
+        target's final norm. Either may be None (left as initialised)."""
+        if lm_head_weight is not None:
+            rows = self.draft_to_target(torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device))
+            self.lm_head.weight.copy_(lm_head_weight.to(self.lm_head.weight.device)[rows])
+        if norm_weight is not None:
+            self.norm.weight.copy_(norm_weight)
 
     def forward_step(
         self, hidden: Tensor, input_ids: Tensor, position_ids: Tensor,

@@ -24,12 +24,13 @@ CONFIG_FILE = "config.json"
 EMBED_KEY = "embed_tokens.weight"
 
 
-def export_keys() -> list[str]:
-    """The exact tensor names save_export writes."""
+def export_keys(cfg: Eagle3Config | None = None) -> list[str]:
+    """The exact tensor names save_export writes (+ vLLM's `fc_norm.{i}.weight` for the fc_norm variant)."""
     layer = [f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"]
     layer += [f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     layer += [f"midlayer.{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")]
-    return ["fc.weight", *layer, "norm.weight", "lm_head.weight", "d2t", "t2d"]
+    fc_norm = [f"fc_norm.{i}.weight" for i in range(cfg.n_taps)] if cfg is not None and cfg.fc_norm else []
+    return [*fc_norm, "fc.weight", *layer, "norm.weight", "lm_head.weight", "d2t", "t2d"]
 
 
 def write_export(
@@ -50,7 +51,7 @@ def write_export(
 
 
 def save_export(drafter: Eagle3Drafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    return write_export(drafter.state_dict(), export_keys(), drafter.cfg.to_hf_dict(), out_dir, dtype)
+    return write_export(drafter.state_dict(), export_keys(drafter.cfg), drafter.cfg.to_hf_dict(), out_dir, dtype)
 
 
 def check_keys(tensors: dict[str, Tensor], expected: list[str], what: str) -> None:
@@ -81,7 +82,7 @@ def normalize_keys(tensors: dict[str, Tensor], cfg: Eagle3Config) -> dict[str, T
         t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
         t2d[torch.arange(cfg.draft_vocab_size) + t["d2t"].long()] = True
         t["t2d"] = t2d
-    check_keys({k: v for k, v in t.items() if k != EMBED_KEY}, export_keys(),
+    check_keys({k: v for k, v in t.items() if k != EMBED_KEY}, export_keys(cfg),
                "an EAGLE-3 LlamaForCausalLMEagle3 checkpoint")
     return t
 

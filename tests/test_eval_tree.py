@@ -116,23 +116,25 @@ def test_tree_verify_forward_equals_per_path_forward(kind: str) -> None:
     n = len(prefix)
     out = runner.forward(tokens, cache, depths + n, tree_attention_allowed(parents, n))
     anc = ancestor_matrix(parents)
+    # transformers' eager kernel takes its softmax in float32 whatever the model dtype: fp32 rounding there
+    atol = 1e-6 if kind.endswith("eager") else 1e-10
     for i in range(len(tokens)):
         path = torch.nonzero(anc[i]).flatten().tolist()  # ancestors are in block order = root path order
         ref = runner.forward(prefix + tokens[path].tolist(), runner.new_cache())
-        torch.testing.assert_close(out.logits[i], ref.logits[-1], rtol=0, atol=1e-10)
-        torch.testing.assert_close(out.taps[i], ref.taps[-1], rtol=0, atol=1e-10)
+        torch.testing.assert_close(out.logits[i], ref.logits[-1], rtol=0, atol=atol)
+        torch.testing.assert_close(out.taps[i], ref.taps[-1], rtol=0, atol=atol)
     accepted = [0, 1, 3, 5]
     keep_kv(cache, n, torch.tensor(accepted))
     ref_cache = runner.new_cache()
     runner.forward(prefix + tokens[accepted].tolist(), ref_cache)
     assert cache.get_seq_length() == n + len(accepted)
     for a, b in zip(cache.layers, ref_cache.layers):
-        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=1e-10)
-        torch.testing.assert_close(a.values, b.values, rtol=0, atol=1e-10)
+        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=atol)
+        torch.testing.assert_close(a.values, b.values, rtol=0, atol=atol)
     # decoding continues correctly from the surgically kept cache
     nxt = runner.forward([2], cache).logits[-1]
     ref_nxt = runner.forward([2], ref_cache).logits[-1]
-    torch.testing.assert_close(nxt, ref_nxt, rtol=0, atol=1e-10)
+    torch.testing.assert_close(nxt, ref_nxt, rtol=0, atol=atol)
     if kind == "qwen2-sliding":  # the window matters here: a full-attention forward differs
         tiny_target.config.layer_types = ["full_attention"] * 3
         no_window = runner.forward(prefix + tokens[accepted].tolist() + [2], runner.new_cache()).logits[-1]

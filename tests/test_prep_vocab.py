@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from data_prep.vocab import build_draft_vocab, count_tokens, coverage
+from data_prep.vocab import (
+    build_draft_vocab,
+    count_tokens,
+    coverage,
+    draft_vocab_of_size,
+    save_draft_vocab,
+    selection_scores,
+)
 
 
 def test_offsets_map_draft_to_target_ids() -> None:
@@ -40,3 +47,26 @@ def test_counts_only_loss_masked_tokens() -> None:
     assert coverage(counts, t2d) == 1.0
     with pytest.raises(ValueError, match="no loss-masked"):
         build_draft_vocab(torch.zeros(5, dtype=torch.int64), 3)
+
+
+def test_whole_vocabulary_when_asked() -> None:
+    counts = torch.tensor([0, 2, 0, 1, 0])
+    d2t, t2d = build_draft_vocab(counts, draft_vocab_size=0)
+    assert d2t.tolist() == [0] * 5 and bool(t2d.all())  # never-seen tokens included: identity mapping
+
+
+def test_dataset_count_ranks_what_the_train_split_never_saw(tmp_path) -> None:
+    train = torch.tensor([0, 6, 0, 2, 0, 0, 0])  # the regenerated replies: few distinct tokens
+    dataset = torch.tensor([0, 10, 0, 0, 30, 60, 0])  # the whole dataset, as written
+    scores = selection_scores(train, dataset, train_weight=0.5)
+    # 0.5 * (6/8, 0, 2/8, 0, 0) + 0.5 * (10/100, 0, 0, 30/100, 60/100) per id
+    assert scores.tolist() == pytest.approx([0, 0.425, 0, 0.125, 0.15, 0.3, 0])
+    d2t, t2d = build_draft_vocab(scores, draft_vocab_size=3)
+    assert (torch.arange(3) + d2t).tolist() == [1, 4, 5]  # 4 and 5 never occur in the train split
+    assert coverage(dataset, t2d) == 1.0 and coverage(train, t2d) == 0.75
+    assert selection_scores(train, None, 0.5).tolist() == pytest.approx((train / 8).tolist())
+    # a drafter of another size is cut from the same ranking, and the saved ranking round-trips
+    save_draft_vocab(tmp_path / "v.safetensors", d2t, t2d, train, dataset, scores)
+    d2t2, t2d2 = draft_vocab_of_size(tmp_path / "v.safetensors", 4)
+    assert t2d2.nonzero().flatten().tolist() == [1, 3, 4, 5]
+    assert draft_vocab_of_size(tmp_path / "v.safetensors", 3)[1].tolist() == t2d.tolist()

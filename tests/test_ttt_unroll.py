@@ -251,6 +251,55 @@ def test_evaluate_matches_ttt_loss_metrics_and_alpha_definition():
     settings = TTTSettings(steps=3)
     _, m = ttt_loss(drafter, head, batch, settings)
     out = evaluate(drafter, head, [batch], settings)
-    torch.testing.assert_close(torch.tensor(out["acc_k"]), m["acc_k"].float(), rtol=1e-6, atol=0)
+    # the loss's metrics are over its rows (in the draft vocabulary); the held-out acc_k over every target row
+    torch.testing.assert_close(torch.tensor(out["acc_in_vocab_k"]), m["acc_k"].float(), rtol=1e-6, atol=0)
+    n_in, n_all = torch.tensor(out["n_valid_k"]), torch.tensor(out["n_target_k"])
+    assert (n_in < n_all).all()  # the stub head puts some argmaxes outside the draft vocabulary
+    torch.testing.assert_close(torch.tensor(out["acc_k"], dtype=torch.float64), m["acc_k"].double() * n_in / n_all,
+                               rtol=1e-6, atol=0)
+    assert out["oov_rate"] == pytest.approx(1 - n_in[0].item() / n_all[0].item())
     torch.testing.assert_close(torch.tensor(out["loss_k"]), m["loss_k"].float(), rtol=1e-5, atol=0)
     assert out["alpha_k"][0] == pytest.approx(out["acc_k"][0])  # step 0 has no earlier steps to condition on
+
+
+def test_evaluate_counts_targets_outside_the_draft_vocab_as_misses():
+    """An oracle that is right on every token it can emit: acc_k, alpha_k and sim τ are exactly what the
+    out-of-vocabulary targets leave, counted from the definition (a never-proposable token is a miss)."""
+    gen = torch.Generator().manual_seed(3)
+    d2t, t2d = vocab(V, VD, gen)
+    in_draft = VocabMaps.build(d2t, t2d).draft_to_target
+    outside = (~t2d).nonzero().squeeze(1)
+    succ = torch.arange(V)
+    succ[in_draft] = in_draft.roll(1)  # a cycle inside the draft vocab ...
+    succ[in_draft[0]], succ[outside[0]] = outside[0], in_draft[1]  # ... with one detour outside it
+    T, K = 40, 3
+    x = [int(in_draft[5])]
+    for _ in range(T - 1):
+        x.append(int(succ[x[-1]]))
+    ids = torch.tensor(x)
+    mask = torch.ones(T, dtype=torch.bool)
+    mask[:4] = False
+    s = FakeSample("s", ids, mask, torch.randn(T, 2))
+    s.teacher_argmax = torch.cat([ids[1:], ids[:1]])
+    out = evaluate(OracleDrafter(V, d2t, t2d, succ), StubHead(V, V, torch.eye(V)), [collate([s])],
+                   TTTSettings(steps=K, chunk_size=5))
+    hit = lambda j: bool(t2d[ids[j + 1]])  # noqa: E731  the oracle drafts x_{j+1} exactly when it can
+    rows = [[j for j in range(T - 1) if mask[j + 1] and j - k - 1 >= 0] for k in range(K)]
+    assert 0 < sum(not hit(j) for j in rows[0]) < len(rows[0])  # the data does leave the vocabulary
+    want_acc = [sum(map(hit, r)) / len(r) for r in rows]
+    num, den = [0] * K, [0] * K
+    for t in range(T):
+        for k in range(K):
+            j = t + k + 1
+            if j >= T - 1 or not mask[j + 1]:
+                break
+            den[k] += 1
+            if not hit(j):
+                break
+            num[k] += 1
+    assert out["acc_k"] == pytest.approx(want_acc)
+    assert out["alpha_k"] == pytest.approx([a / b for a, b in zip(num, den)])
+    assert out["sim_tau"] == pytest.approx(simulated_tau(want_acc))
+    assert out["acc_in_vocab_k"] == [1.0] * K
+    assert out["oov_rate"] == pytest.approx(1 - want_acc[0])
+    assert out["num_positions"] == len(rows[0])

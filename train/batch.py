@@ -58,6 +58,16 @@ class Batch:
         B, T, _ = self.taps.shape
         return replace(self, taps=self.taps.view(B, T, n_source, -1)[:, :, list(columns)].reshape(B, T, -1))
 
+    def with_feature_noise(self, scale: float, n_taps: int) -> Batch:
+        """This batch with Gaussian noise on the taps: std = `scale` x each tap row's RMS (train.feature_noise)."""
+        if scale <= 0:
+            return self
+        B, T, _ = self.taps.shape
+        taps = self.taps.float().view(B, T, n_taps, -1)
+        rms = taps.pow(2).mean(-1, keepdim=True).sqrt()
+        noisy = taps + scale * rms * torch.randn_like(taps)
+        return replace(self, taps=noisy.view(B, T, -1).to(self.taps.dtype))
+
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> Batch:
         """Move every tensor to `device`; floating tensors also to `dtype` (ints and bools keep theirs)."""
 

@@ -19,8 +19,15 @@ def target_config(prep_dir: Path) -> dict:
     return json.loads((Path(prep_dir) / "target_config.json").read_text())
 
 
-def draft_vocab(prep_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    t = load_file(str(Path(prep_dir) / "draft_vocab.safetensors"))
+def draft_vocab(prep_dir: Path, size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of the prep; `size` (model.draft_vocab_size): cut anew from the prep's ranking."""
+    from data_prep.vocab import VOCAB_FILE, draft_vocab_of_size
+
+    path = Path(prep_dir) / VOCAB_FILE
+    if size is not None:
+        d2t, t2d = draft_vocab_of_size(path, size)
+        return d2t.long(), t2d.bool()
+    t = load_file(str(path))
     return t["d2t"].long(), t["t2d"].bool()
 
 
@@ -29,9 +36,10 @@ def drafter_config(cfg: ModelConfig, prep_dir: Path, tap_layers: list[int], max_
     from models.eagle3 import Eagle3Config
 
     target = target_config(prep_dir)
-    d2t, _ = draft_vocab(prep_dir)
+    d2t, _ = draft_vocab(prep_dir, cfg.draft_vocab_size)
     overrides = {k: getattr(cfg, k) for k in GEOMETRY_OVERRIDES if getattr(cfg, k) is not None}
-    dcfg = Eagle3Config.from_target_config(target, draft_vocab_size=d2t.numel(), aux_layer_ids=tap_layers, **overrides)
+    dcfg = Eagle3Config.from_target_config(target, draft_vocab_size=d2t.numel(), aux_layer_ids=tap_layers,
+                                           fc_norm=cfg.fc_norm, norm_output=cfg.norm_output, **overrides)
     # The export must declare at least the trained length (engines size their RoPE caches by it), and the
     # target's rope scaling, pinned so that the larger max_position_embeddings cannot change the rotation.
     max_pos = cfg.max_position_embeddings or max(max_len, dcfg.max_position_embeddings)
@@ -54,7 +62,10 @@ def build_drafter(cfg: ModelConfig, prep_dir: Path, tap_layers: list[int], max_l
 
     drafter = Eagle3Drafter(drafter_config(cfg, prep_dir, tap_layers, max_len), attn_backend=cfg.attn_backend)
     drafter.load_target_embedding(head.embed_tokens_weight)
-    drafter.set_vocab_mapping(*draft_vocab(prep_dir))
+    drafter.set_vocab_mapping(*draft_vocab(prep_dir, cfg.draft_vocab_size))
+    drafter.init_output_from_target(head.lm_head.weight if cfg.lm_head_init == "target" else None,
+                                    head.norm.weight if cfg.norm_init == "target" else None)
+    drafter.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
     if drafter.embed_tokens.weight.requires_grad:
         raise RuntimeError("the target embedding inside the drafter must be frozen")
     return drafter

@@ -23,6 +23,7 @@ PRECISIONS = ("auto", "bf16", "fp32")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 WANDB_MODES = ("offline", "online", "disabled")
 OVERFLOW = ("truncate", "split")
+SCHEDULES = ("cosine", "wsd")
 
 
 class ConfigError(ValueError):
@@ -48,10 +49,22 @@ class ModelConfig:
     # A reserved target token id for MASK; None = "<|MASK|>" if the tokenizer has it, else the first
     # embedding row past the tokenizer, else its last special token the chat template does not use.
     mask_token_id: int | None = None
+    # EAGLE-3 levers (bench/levers.py measures each). draft_vocab_size: None = the prep's draft vocabulary;
+    # else that many ids cut from the prep's own ranking (data_prep/vocab.py; <= 0: the whole vocabulary).
+    draft_vocab_size: int | None = None
+    lm_head_init: str = "random"  # random | target: the target LM head's rows at the draft ids
+    freeze_lm_head: bool = False  # with lm_head_init=target: those rows stay the target's (not trained)
+    norm_init: str = "ones"  # ones | target: the final norm starts as the target's final norm
+    fc_norm: bool = False  # "EAGLE-3.1": an RMSNorm on each tap before fc (vLLM's fc_norm)
+    norm_output: bool = False  # "EAGLE-3.1": the next draft step takes norm(h), not h (vLLM's norm_output)
     # Target layers the drafter reads, in concat order; they must be in the shards (a prep may carry more:
     # the objective takes its columns). None = EAGLE-3: every tap of the shards; DFlash: 5 layers evenly
     # spaced in [1, L - 3]. EAGLE-1 reads the top-layer feature only.
     tap_layers: list[int] | None = None
+
+
+EAGLE3_LEVERS = {k: getattr(ModelConfig, k) for k in
+                 ("draft_vocab_size", "lm_head_init", "freeze_lm_head", "norm_init", "fc_norm", "norm_output")}
 
 
 @dataclass
@@ -80,8 +93,15 @@ class TrainConfig:
     eval_ttt_steps: int | None = None  # steps unrolled by held-out evals; None = ttt_steps
     loss_decay: float = 0.8  # lambda: weight of step k is lambda**k
     lr: float = 1e-4
-    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    min_lr_ratio: float = 0.0  # the schedule's floor as a fraction of lr
     warmup_steps: int = 50  # linear warmup (optimizer steps)
+    # cosine: warmup, then cosine to min_lr_ratio * lr at the last step. wsd (warmup-stable-decay): warmup,
+    # constant lr, then a linear decay to min_lr_ratio * lr over the last decay_ratio of the steps.
+    schedule: str = "cosine"
+    decay_ratio: float = 0.2
+    # Gaussian noise on the target features while training (held-out evals see clean ones): std as a
+    # fraction of each tap row's RMS, so one value suits every target width. 0 = off.
+    feature_noise: float = 0.0
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
@@ -170,6 +190,21 @@ class RunConfig:
 
         _one_of("model.method", m.method, METHODS)
         _one_of("model.attn_backend", m.attn_backend, ("auto", *sorted(ATTENTION)))
+        _one_of("model.lm_head_init", m.lm_head_init, ("random", "target"))
+        _one_of("model.norm_init", m.norm_init, ("ones", "target"))
+        _one_of("train.schedule", t.schedule, SCHEDULES)
+        if m.freeze_lm_head and m.lm_head_init != "target":
+            raise ConfigError("model.freeze_lm_head=true needs model.lm_head_init=target (a frozen random head "
+                              "would never learn)")
+        if not 0.0 < t.decay_ratio <= 1.0:
+            raise ConfigError(f"train.decay_ratio must be in (0, 1], got {t.decay_ratio}")
+        if t.feature_noise < 0:
+            raise ConfigError(f"train.feature_noise must be >= 0, got {t.feature_noise}")
+        if m.method != "eagle3":
+            changed = [k for k, default in EAGLE3_LEVERS.items() if getattr(m, k) != default]
+            if changed:
+                raise ConfigError(f"model.{', model.'.join(changed)}: EAGLE-3 options, not for model.method="
+                                  f"{m.method}")
         _one_of("deepspeed.precision", ds.precision, PRECISIONS)
         _one_of("deepspeed.dist_backend", ds.dist_backend, DIST_BACKENDS)
         _one_of("deepspeed.zero_stage", ds.zero_stage, (0, 1, 2, 3))

@@ -123,10 +123,20 @@ def resolve_precision(precision: str) -> str:
     return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
 
 
-def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Multiplier of the base lr for optimizer step `step` (0-based): linear warmup, then cosine."""
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float, kind: str = "cosine",
+              decay_ratio: float = 0.2) -> float:
+    """Multiplier of the base lr for optimizer step `step` (0-based): linear warmup, then `kind`:
+    cosine to min_ratio at the last step, or wsd: constant until the last decay_ratio of the steps, then
+    linear to min_ratio at the last step (train.schedule)."""
     if step < warmup:
         return (step + 1) / warmup
+    last = max(total - 1, warmup)
+    if kind == "wsd":
+        decay_start = max(warmup, total - max(1, round(decay_ratio * total)))
+        if step < decay_start:
+            return 1.0
+        progress = min(1.0, (step - decay_start) / max(1, last - decay_start))
+        return 1.0 - (1.0 - min_ratio) * progress
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
@@ -136,9 +146,11 @@ class _Schedule:  # a picklable lr lambda (LambdaLR keeps callable objects' __di
     warmup: int
     total: int
     min_ratio: float
+    kind: str = "cosine"
+    decay_ratio: float = 0.2
 
     def __call__(self, step: int) -> float:
-        return lr_lambda(step, self.warmup, self.total, self.min_ratio)
+        return lr_lambda(step, self.warmup, self.total, self.min_ratio, self.kind, self.decay_ratio)
 
 
 # ----------------------------------------------------------------------------------------- the engine
@@ -189,7 +201,7 @@ class Engine:
         optimizer = torch.optim.AdamW(
             params, lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay
         )
-        schedule = _Schedule(t.warmup_steps, self.total_steps, t.min_lr_ratio)
+        schedule = _Schedule(t.warmup_steps, self.total_steps, t.min_lr_ratio, t.schedule, t.decay_ratio)
         # bf16 casts the whole module, buffers included; derived fp32 buffers (RoPE inv_freq) must stay fp32.
         float_buffers = {n: b.detach().clone() for n, b in model.named_buffers() if b.is_floating_point()}
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(

@@ -1,9 +1,12 @@
-"""Sweep summary: held-out simulated tau and per-step accuracy per (K, lambda) over a sweep's jobs.
+"""Sweep summary: held-out simulated tau, out-of-vocabulary rate and per-step accuracy over a sweep's jobs.
 
     python -m train.sweep <sweep_dir>      # also run automatically after `launch/train.py -m ...` (rank 0)
 
-Reads every <sweep_dir>/job*/summary.json (+ .hydra/overrides.yaml when present) and writes
-<sweep_dir>/sweep_summary.md (table), .json (rows) and .png (sim tau vs lambda per K; acc_k per job).
+Reads every <sweep_dir>/job*/summary.json and metrics.jsonl (+ .hydra/overrides.yaml when present) and
+writes <sweep_dir>/sweep_summary.md (table: the job's overrides, K, λ, steps, wall time, held-out sim τ,
+OOV rate, acc_k), .json (rows, with each job's held-out learning curve) and .png (held-out sim τ against
+steps and against wall seconds per job; acc_k per job). Held-out figures use the honest definition of
+train/ttt.py `summarize`: a target outside the draft vocabulary is a miss.
 """
 
 from __future__ import annotations
@@ -41,10 +44,30 @@ def collect(sweep_dir: Path) -> list[dict]:
             "acc_k": ev.get("acc_k"),
             "alpha_k": ev.get("alpha_k"),
             "eval_loss_k": ev.get("loss_k"),
+            "oov_rate": ev.get("oov_rate"),
             "wall_s": s.get("wall_s"),
             "overrides": [o for o in overrides if not o.startswith(("out_dir=", "data.dir="))],
+            "curve": _curve(job / "metrics.jsonl"),
         })
     return rows
+
+
+def _curve(path: Path) -> list[dict]:
+    """Held-out sim τ per eval: [{"step", "sim_tau", "time_s" since the first record}]."""
+    if not path.exists():
+        return []
+    from train.metrics import read_metrics
+
+    records = read_metrics(path)
+    if not records:
+        return []
+    t0 = records[0]["time"]
+    return [{"step": r["step"], "sim_tau": r.get("sim_tau"), "time_s": r["time"] - t0}
+            for r in records if r["kind"] == "eval"]
+
+
+def _label(r: dict) -> str:
+    return " ".join(r.get("overrides") or []) or r["job"]
 
 
 def _fmt(x, nd: int = 3) -> str:
@@ -57,13 +80,15 @@ def _fmt(x, nd: int = 3) -> str:
 
 def markdown(rows: list[dict]) -> str:
     k_max = max((len(r["acc_k"]) for r in rows if r.get("acc_k")), default=0)
-    head = ["job", "K", "λ", "steps", "held-out sim τ", *[f"acc_{i}" for i in range(k_max)], "status"]
+    head = ["job", "overrides", "K", "λ", "steps", "wall s", "held-out sim τ", "OOV rate",
+            *[f"acc_{i}" for i in range(k_max)], "status"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    ordered = sorted(rows, key=lambda r: (r.get("K") or 0, r.get("lambda") or 0, r["job"]))
-    for r in ordered:
+    for r in rows:
         acc = list(r.get("acc_k") or []) + [None] * k_max
-        cells = [r["job"], _fmt(r.get("K")), _fmt(r.get("lambda"), 2), _fmt(r.get("steps")), _fmt(r.get("sim_tau")),
-                 *[_fmt(a) for a in acc[:k_max]], r["status"]]
+        wall = r.get("wall_s")
+        cells = [r["job"], " ".join(r.get("overrides") or []), _fmt(r.get("K")), _fmt(r.get("lambda"), 2),
+                 _fmt(r.get("steps")), _fmt(None if wall is None else round(wall)), _fmt(r.get("sim_tau")),
+                 _fmt(r.get("oov_rate")), *[_fmt(a) for a in acc[:k_max]], r["status"]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -76,16 +101,17 @@ def plot(rows: list[dict], path: Path) -> None:
     from matplotlib.ticker import MaxNLocator
 
     done = [r for r in rows if r.get("sim_tau") is not None]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for k in sorted({r["K"] for r in done}):
-        pts = sorted((r["lambda"], r["sim_tau"]) for r in done if r["K"] == k)
-        ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"K={k}")
-    ax1.set_xlabel("loss decay λ")
-    ax1.set_ylabel("held-out simulated τ")
-    ax1.set_title("simulated τ per (K, λ)")
-    ax1.legend()
+    fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for ax, x, xlabel in ((ax0, "step", "optimizer step"), (ax1, "time_s", "wall seconds")):
+        for r in done:
+            pts = [c for c in r.get("curve") or [] if c["sim_tau"] is not None]
+            ax.plot([c[x] for c in pts], [c["sim_tau"] for c in pts], marker=".", label=_label(r))
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("held-out simulated τ (OOV = miss)")
+        ax.set_title(f"learning curve by {xlabel}")
+    ax0.legend(fontsize=6)
     for r in done:
-        ax2.plot(range(len(r["acc_k"])), r["acc_k"], marker=".", label=f"K={r['K']} λ={r['lambda']}")
+        ax2.plot(range(len(r["acc_k"])), r["acc_k"], marker=".", label=_label(r))
     ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax2.set_xlabel("TTT step k")
     ax2.set_ylabel("held-out acc_k")

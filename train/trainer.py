@@ -125,7 +125,7 @@ def save_checkpoint(engine: Engine, module, run_dir: Path, step: int, cursor: Cu
             "data_dir": cfg.data.dir,
             "method": cfg.model.method,
         }
-        buffers = export_buffers(module)
+        buffers = export_buffers(module, cfg.model.method)
         path = checkpoint.save(
             run_dir / "checkpoints", step, state, buffers, meta, dataclasses.asdict(module.cfg),
             cfg.train.keep_checkpoints,
@@ -134,10 +134,20 @@ def save_checkpoint(engine: Engine, module, run_dir: Path, step: int, cursor: Cu
     dist.barrier()
 
 
-def export_buffers(module) -> dict[str, Tensor]:
-    """The drafter's persistent integer/bool buffers (vocab maps): trained state a checkpoint must carry."""
+def export_buffers(module, method: str) -> dict[str, Tensor]:
+    """What a checkpoint must carry besides the trained parameters: the persistent integer/bool buffers
+    (vocab maps) and the frozen parameters that are not the target's own tensors (the family's frozen_keys),
+    e.g. an lm_head frozen at the target's rows (kept gathered by ZeRO-3, Objective.keep_gathered, so its
+    data is whole on every rank)."""
+    from models.registry import family
+
+    frozen_keys = family(method).frozen_keys
     params = {n for n, _ in module.named_parameters()}
-    return {n: b.cpu() for n, b in module.state_dict().items() if not b.is_floating_point() and n not in params}
+    out = {n: b.cpu() for n, b in module.state_dict().items() if not b.is_floating_point() and n not in params}
+    for name, p in module.named_parameters():
+        if not p.requires_grad and name not in frozen_keys:
+            out[name] = p.detach().float().cpu().clone()
+    return out
 
 
 def export(engine: Engine, module, out: Path, method: str) -> None:
@@ -145,7 +155,7 @@ def export(engine: Engine, module, out: Path, method: str) -> None:
 
     params = engine.full_params()  # collective
     if engine.rank == 0:
-        export_drafter(dataclasses.asdict(module.cfg), params, export_buffers(module), out, method=method)
+        export_drafter(dataclasses.asdict(module.cfg), params, export_buffers(module, method), out, method=method)
         log.info("export %s", out)
     dist.barrier()
 

@@ -131,14 +131,18 @@ def unroll(drafter: nn.Module, batch: Batch, settings: TTTSettings, hidden: Tens
     if hidden is None:
         hidden = drafter.fuse(batch.taps[:, :T].to(_float_dtype(drafter)))
     pos = torch.arange(start, start + T, device=ids.device).expand(B, T)
+    from models.eagle3 import next_input  # lazily, as new_ttt_cache
+
     cache = new_ttt_cache()
     outs = []
     for k in range(settings.steps):
-        hidden = _forward_step(
+        if k:
+            hidden = next_input(drafter, outs[-1])
+        outs.append(_forward_step(
             drafter, hidden, shifted_ids(ids, k + 1)[:, :T], pos + k, cache, settings.checkpoint_layer
-        )
-        outs.append(hidden)
+        ))
     return outs
+
 
 
 def output_head(drafter: nn.Module) -> tuple[nn.Module, Tensor] | None:
@@ -178,7 +182,7 @@ def _terms(
             drafter, head, rows, teacher, reachable, maps, settings.chunk_size, settings.checkpoint_chunks
         )
     return dict(loss=loss, ce=ce, acc=acc, min_pq=min_pq, valid=valid, correct=correct, b_idx=b_idx, j_idx=j_idx,
-                rows=rows)
+                rows=rows, reachable=reachable)
 
 
 def _means(sums: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -303,12 +307,17 @@ def eval_sums(
     step0: Callable[[Batch], Tensor] | None = None,
 ) -> dict:
     """Raw, additive evaluation counts (CPU tensors [K]); add over ranks, then `summarize`.
-    `step0(batch)`: the step-0 feature stream when it is not drafter.fuse(taps) (see `unroll`)."""
+    `step0(batch)`: the step-0 feature stream when it is not drafter.fuse(taps) (see `unroll`).
+
+    `n_target_k` counts every (position, step) a user would count: the loss-masked target tokens step k
+    reaches, whether or not the target's argmax is in the draft vocabulary; `n_valid_k` those in it (the
+    loss's rows). A row outside the draft vocabulary can never be drafted: it is a miss in acc_k and
+    ends its chain in alpha_k."""
     K = settings.steps
     device = next(drafter.parameters()).device
     out = {k: torch.zeros(K, dtype=torch.float64) for k in ("ce_sum", "acc_sum", "min_pq_sum")}
-    out.update(n_valid_k=torch.zeros(K, dtype=torch.long), alpha_num=torch.zeros(K, dtype=torch.long))
-    out.update(alpha_den=torch.zeros(K, dtype=torch.long), num_samples=torch.zeros((), dtype=torch.long))
+    out.update({k: torch.zeros(K, dtype=torch.long) for k in ("n_valid_k", "n_target_k", "alpha_num", "alpha_den")})
+    out["num_samples"] = torch.zeros((), dtype=torch.long)
     was_training = drafter.training
     drafter.eval()
     try:
@@ -316,11 +325,14 @@ def eval_sums(
             batch = batch.to(device)
             t = _terms(drafter, head, batch, settings, hidden=None if step0 is None else step0(batch))
             start, owned = owned_span(batch)
-            num, den = _chain_counts(t["valid"], t["correct"], t["b_idx"], t["j_idx"], (len(batch), owned))
+            reachable = t["reachable"]
+            num, den = _chain_counts(reachable, t["correct"] & t["valid"], t["b_idx"], t["j_idx"],
+                                     (len(batch), owned))
             out["ce_sum"] += t["ce"].double().cpu()
             out["acc_sum"] += t["acc"].cpu()
             out["min_pq_sum"] += t["min_pq"].cpu()
             out["n_valid_k"] += t["valid"].sum(-1).cpu()
+            out["n_target_k"] += reachable.sum(-1).cpu()
             out["alpha_num"] += num
             out["alpha_den"] += den
             if start == 0:  # a sample split over ranks counts once, on the rank owning its start
@@ -339,25 +351,33 @@ def _nan_where_zero(count: Tensor) -> Tensor:
 def summarize(sums: dict) -> dict:
     """Floats from `eval_sums` counts.
 
-    acc_k: marginal teacher-forced accuracy of step k over its valid positions. alpha_k: conditional
-    per-position acceptance along each start position's chain (see `_chain_counts`). sim_tau uses the
-    MARGINAL acc_k, as method.md §6 defines simulated τ; sim_tau_alpha is the same formula on alpha_k
-    (= 1 + Σ_n P(first n drafts all accepted), closer to what chain decoding at T=0 sees).
-    A step without valid positions (or chains) gets NaN.
+    acc_k: marginal teacher-forced accuracy of step k over ALL its target rows (`n_target_k`): a row whose
+    target argmax lies outside the draft vocabulary counts as a miss. alpha_k: conditional per-position
+    acceptance along each start position's chain (see `_chain_counts`), an out-of-vocabulary row ending
+    the chain. sim_tau uses the MARGINAL acc_k, as method.md §6 defines simulated τ; sim_tau_alpha is the
+    same formula on alpha_k (= 1 + Σ_n P(first n drafts all accepted), closer to what chain decoding at
+    T=0 sees). oov_rate: the share of step-0 target rows outside the draft vocabulary. loss_k and
+    min_pq_k are over the in-vocabulary rows (`n_valid_k`, the rows the loss trains), and
+    acc_in_vocab_k is acc_k over those rows only (the optimistic figure, for comparison).
+    A step without target rows (or chains) gets NaN.
     """
     n = _nan_where_zero(sums["n_valid_k"])
-    acc = (sums["acc_sum"] / n).tolist()
+    n_all = _nan_where_zero(sums["n_target_k"])
+    acc = (sums["acc_sum"] / n_all).tolist()
     alpha = (sums["alpha_num"].double() / _nan_where_zero(sums["alpha_den"])).tolist()
     return {
         "acc_k": acc,
         "alpha_k": alpha,
         "sim_tau": simulated_tau(acc),
         "sim_tau_alpha": simulated_tau(alpha),
+        "oov_rate": float(1 - sums["n_valid_k"][0].double() / n_all[0]),
+        "acc_in_vocab_k": (sums["acc_sum"] / n).tolist(),
         "loss_k": (sums["ce_sum"] / n).tolist(),
         "min_pq_k": (sums["min_pq_sum"] / n).tolist(),
         "n_valid_k": sums["n_valid_k"].tolist(),
+        "n_target_k": sums["n_target_k"].tolist(),
         "num_samples": int(sums["num_samples"]),
-        "num_positions": int(sums["n_valid_k"][0]),
+        "num_positions": int(sums["n_target_k"][0]),
     }
 
 
@@ -410,8 +430,10 @@ class Eagle3Objective:
         return count_valid(head, batch, self.settings, vocab=module, return_targets=True)
 
     def loss(self, module: nn.Module, head: nn.Module, batch: Batch, normalizer: Tensor, state):
-        loss, m = ttt_loss(module, head, self._taps(batch), self.settings, normalizer=normalizer,
-                           teacher_targets=state)
+        batch = self._taps(batch)
+        if self.cfg is not None and self.cfg.train.feature_noise > 0:
+            batch = batch.with_feature_noise(self.cfg.train.feature_noise, module.cfg.n_taps)
+        loss, m = ttt_loss(module, head, batch, self.settings, normalizer=normalizer, teacher_targets=state)
         return loss, {k: m[k] for k in SUM_KEYS}
 
     def eval_sums(self, module: nn.Module, head: nn.Module, batches: Iterable[Batch]) -> dict:
