@@ -4,7 +4,8 @@ Output directory (the prep contract; the shard format itself is documented in da
 
     <out>/train/, <out>/eval/        shard sets (manifest.json + shards/); eval is held out, never trained on
     <out>/draft_vocab.safetensors    d2t, t2d, token_counts (the train split's loss-masked tokens),
-                                     dataset_counts, selection_scores (data_prep/vocab.py)
+                                     dataset_counts, selection_scores (data_prep/vocab.py; each
+                                     rank's share of the dataset count: dataset_counts.r{rank}.safetensors)
     <out>/target_head.safetensors    frozen target embed_tokens / norm / lm_head, so training needs no target
     <out>/target_config.json         the target's HF config
     <out>/tokenizer/                 the target's tokenizer (loss-mask viewer, eval)
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from data_prep.capture import HiddenStateCapture, base_model, compact_teacher
@@ -95,13 +96,15 @@ def select_conversations(cfg: PrepConfig) -> tuple[dict[str, list[Conversation]]
 
 
 def dataset_token_counts(cfg: PrepConfig, tokenizer, convs: list[Conversation], preset: TargetPreset,
-                         vocab_size: int) -> torch.Tensor:
+                         vocab_size: int, rank: int = 0, world: int = 1) -> torch.Tensor:
     """Assistant (loss-masked) token counts of `convs` as the dataset wrote them, with the target's template:
-    the large, forward-free count behind the draft vocabulary. Records the template refuses count nothing."""
+    the large, forward-free count behind the draft vocabulary (this rank's share of it: every world-th
+    conversation). Records the template refuses count nothing."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     if cfg.draft_vocab_count_max > 0:
         convs = convs[: cfg.draft_vocab_count_max]
-    for conv in tqdm(convs, desc="count tokens for the draft vocab", unit="conv", mininterval=5):
+    for conv in tqdm(convs[rank::world], desc="count tokens for the draft vocab", unit="conv", mininterval=5,
+                     disable=rank != 0):
         result = render_conversation(tokenizer, conv.messages, max_length=cfg.max_length, overflow="truncate",
                                      template_kwargs=template_kwargs(cfg, preset))
         if not isinstance(result, Dropped):
@@ -257,16 +260,13 @@ def save_target_files(model, tokenizer, out: Path) -> None:
     tokenizer.save_pretrained(out / "tokenizer")
 
 
-def write_draft_vocab(cfg: PrepConfig, out: Path, tokenizer, pool: list[Conversation], preset: TargetPreset,
-                      vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def write_draft_vocab(cfg: PrepConfig, out: Path, vocab_size: int, dataset_counts: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """<out>/draft_vocab.safetensors from the train shards' loss tokens (+ the dataset-wide count)."""
     from data_prep.shards import ShardSet
 
     train = ShardSet(out / "train", verify="none")
     counts = count_tokens(((s.input_ids, s.loss_mask) for s in train), vocab_size)
-    dataset_counts = None
-    if cfg.draft_vocab_count == "dataset":
-        dataset_counts = dataset_token_counts(cfg, tokenizer, pool, preset, vocab_size)
     scores = selection_scores(counts, dataset_counts, cfg.draft_vocab_train_weight)
     d2t, t2d = build_draft_vocab(scores, cfg.draft_vocab_size)
     save_draft_vocab(out / VOCAB_FILE, d2t, t2d, counts, dataset_counts, scores)
@@ -286,8 +286,10 @@ def rebuild_draft_vocab(cfg: PrepConfig) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(out / "tokenizer")
     splits, _ = select_conversations(cfg)
     vocab_size = int(json.loads((out / "target_config.json").read_text())["vocab_size"])
-    d2t, t2d, counts, dataset_counts = write_draft_vocab(cfg, out, tokenizer, splits["pool"], resolve_target(cfg.model),
-                                                         vocab_size)
+    dataset_counts = None
+    if cfg.draft_vocab_count == "dataset":
+        dataset_counts = dataset_token_counts(cfg, tokenizer, splits["pool"], resolve_target(cfg.model), vocab_size)
+    d2t, t2d, counts, dataset_counts = write_draft_vocab(cfg, out, vocab_size, dataset_counts)
     summary.update(vocab_summary(cfg, d2t, t2d, counts, dataset_counts))
     summary_path.write_text(json.dumps(summary, indent=1))
     print(f"draft vocab {summary['draft_vocab_size']} ids → {out / VOCAB_FILE}")
@@ -305,12 +307,13 @@ def vocab_summary(cfg: PrepConfig, d2t, t2d, counts, dataset_counts) -> dict:
     }
 
 
-def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, model, tokenizer, world: int, pool: list[Conversation],
-           preset: TargetPreset) -> dict:
+def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, model, tokenizer, world: int) -> dict:
     """Rank 0, after every rank closed its writers: manifests, draft vocab, target files, summary."""
     manifests = {split: merge_manifests(out / split) for split in SPLITS}
-
-    d2t, t2d, counts, dataset_counts = write_draft_vocab(cfg, out, tokenizer, pool, preset, spec.vocab_size)
+    dataset_counts = None
+    if cfg.draft_vocab_count == "dataset":  # every rank counted its share (run)
+        dataset_counts = sum(load_file(str(out / f"dataset_counts.r{r}.safetensors"))["counts"] for r in range(world))
+    d2t, t2d, counts, dataset_counts = write_draft_vocab(cfg, out, spec.vocab_size, dataset_counts)
     save_target_files(model, tokenizer, out)
 
     parts = [json.loads((out / f"summary.r{r}.json").read_text()) for r in range(world)]
@@ -393,11 +396,14 @@ def run(cfg: PrepConfig) -> dict | None:
             stats = capture_split(cfg, model, capture, spec, rendered, out / split, rank, device)
             counts["captured_tokens"] += stats["tokens"]
             capture_seconds += stats["seconds"]
+    if cfg.draft_vocab_count == "dataset":
+        part = dataset_token_counts(cfg, tokenizer, splits["pool"], preset, spec.vocab_size, rank, world)
+        save_file({"counts": part}, str(out / f"dataset_counts.r{rank}.safetensors"))
     (out / f"summary.r{rank}.json").write_text(json.dumps(
         {"counts": counts, "loader_skips": loader_skips, "regen": regen_summary,
          "capture_seconds": capture_seconds}, default=dict))
     _barrier(world)
-    summary = finish(cfg, out, spec, model, tokenizer, world, splits["pool"], preset) if rank == 0 else None
+    summary = finish(cfg, out, spec, model, tokenizer, world) if rank == 0 else None
     _barrier(world)
     if rank == 0:
         print_summary(summary, out)

@@ -1,4 +1,4 @@
-"""The EAGLE-3 quality levers (conf/lever/, bench/levers.py): what each option changes, and that a run with
+"""The EAGLE-3 quality levers (train/config.py, conf/lever/): what each option changes, and that a run with
 them trains, checkpoints, exports and reloads under ZeRO-3."""
 
 from __future__ import annotations

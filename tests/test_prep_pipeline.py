@@ -33,8 +33,12 @@ def test_output_layout_and_contents(tiny_prep_dir: Path) -> None:
     assert not set(train) & set(held_out)  # the held-out split is never trained on
     d2t, t2d = load_draft_vocab(tiny_prep_dir / "draft_vocab.safetensors")
     trained = torch.cat([s.input_ids[s.loss_mask] for s in train.values()]).unique()
-    assert d2t.numel() == int(t2d.sum()) == trained.numel()  # fewer distinct tokens than 32000
-    assert torch.equal(torch.arange(d2t.numel()) + d2t, trained)
+    vocab = load_file(tiny_prep_dir / "draft_vocab.safetensors")
+    # ranked by the train split's tokens AND every other non-held-out conversation of the file, as written
+    counted = ((vocab["token_counts"] > 0) | (vocab["dataset_counts"] > 0)).nonzero().flatten()
+    assert d2t.numel() == int(t2d.sum()) == counted.numel() > trained.numel()  # fewer distinct tokens than 32000
+    assert torch.equal(torch.arange(d2t.numel()) + d2t, counted) and bool(t2d[trained].all())
+    assert summary["draft_vocab_count"]["source"] == "dataset" and summary["draft_vocab_count"]["dataset_tokens"] > 0
     regen = [json.loads(line) for f in ("train.r0.jsonl", "eval.r0.jsonl")
              for line in (tiny_prep_dir / "regen" / f).read_text().splitlines()]
     assert len(regen) == 12 and summary["regen"][0]["train"]["total"] == 10
@@ -144,3 +148,20 @@ def test_real_embedded_target_taps_equal_hidden_states(smollm2_prep_dir: Path) -
         ref = model(s.input_ids[None]).logits[0]
         agree = (logits.argmax(-1) == ref.argmax(-1)).float().mean()
         assert agree > 0.97  # exact up to the bf16 storage of the final hidden state
+
+
+def test_stage_vocab_rebuilds_the_draft_vocab_of_a_finished_prep(tiny_prep_dir: Path, tiny_target_dir: Path,
+                                                                 tiny_sharegpt_file: Path, tmp_path: Path) -> None:
+    import shutil
+
+    out = tmp_path / "prep"
+    shutil.copytree(tiny_prep_dir, out)
+    before = load_file(out / "draft_vocab.safetensors")
+    summary = run_prep(out, str(tiny_target_dir), str(tiny_sharegpt_file), num_samples=10, eval_samples=2,
+                       stage="vocab", draft_vocab_size=5, draft_vocab_count="train")
+    d2t, t2d = load_draft_vocab(out / "draft_vocab.safetensors")
+    assert d2t.numel() == 5 == summary["draft_vocab_size"] == json.loads((out / "summary.json").read_text())[
+        "draft_vocab_size"]
+    top5 = torch.sort(torch.sort(-before["token_counts"], stable=True).indices[:5]).values  # train split only
+    assert torch.equal(torch.arange(5) + d2t, top5)
+    assert summary["samples"]["train"] == 10  # the rest of the summary is kept

@@ -49,7 +49,7 @@ class ModelConfig:
     # A reserved target token id for MASK; None = "<|MASK|>" if the tokenizer has it, else the first
     # embedding row past the tokenizer, else its last special token the chat template does not use.
     mask_token_id: int | None = None
-    # EAGLE-3 levers (bench/levers.py measures each). draft_vocab_size: None = the prep's draft vocabulary;
+    # EAGLE-3 levers (presets in conf/lever/, compared by a multirun). draft_vocab_size: None = the prep's draft vocabulary;
     # else that many ids cut from the prep's own ranking (data_prep/vocab.py; <= 0: the whole vocabulary).
     draft_vocab_size: int | None = None
     lm_head_init: str = "random"  # random | target: the target LM head's rows at the draft ids
