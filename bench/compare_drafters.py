@@ -8,7 +8,11 @@ Suites (variants = Hydra overrides on top of `+exp=<suite's exp>`, which fixes d
 - quality: the EAGLE-3 paper's ablation: EAGLE-1 (top-layer feature, feature regression + token CE), EAGLE-3
   without training-time test (K = 1) and EAGLE-3 with K = 7, λ = 0.8 (method.md §2, §4);
 - dflash: DFlash (block diffusion, method.md §5) against EAGLE-3 K = 7;
-- teacher: EAGLE-3 K = 7 trained on the exact teacher vs the compact ones (top-k logits, argmax labels).
+- teacher: EAGLE-3 K = 7 trained on the exact teacher vs the compact ones (top-k logits, argmax labels);
+- scaling: one recipe on nested subsets of one large prep's training split (`--points`, data.train_samples),
+  the budget scaled by the rule "the same number of epochs" (steps proportional to the data); adds
+  <out>/scaling.{json,png}: held-out sim τ and online τ against the number of training conversations with
+  a log-linear fit τ = a + b·ln(n) and the n it extrapolates to for τ = 2 and τ = 3.
 Per variant: train (torchrun, `--nproc` processes, DeepSpeed as configured) -> the run's export -> launch/eval.py
 for every decoding mode x temperature (MT-bench prompts the training never saw; plain decoding of the same
 prompts in the same run gives the speedup). Every stage is skipped when its output exists, so an interrupted
@@ -58,6 +62,7 @@ SUITES: dict[str, dict] = {
             "argmax": ["data.dir={prep}-argmax"],
         },
     },
+    "scaling": {"exp": "quality", "variants": {}},  # filled from --points
 }
 
 
@@ -75,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--eval-args", default="", help="extra overrides for every launch/eval.py run")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the eval runs")
+    p.add_argument("--points", default="100,200,400,800,1600", help="scaling suite: training conversations")
     return p.parse_args(argv)
 
 
@@ -184,10 +190,61 @@ def table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def log_linear_fit(ns: list[float], taus: list[float]) -> dict:
+    """Least squares τ = a + b·ln(n), and the n where the fit reaches τ = 2 and 3 (None if b <= 0)."""
+    import math
+
+    xs = [math.log(n) for n in ns]
+    mx, my = sum(xs) / len(xs), sum(taus) / len(taus)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, taus)) / sxx if sxx else 0.0
+    a = my - b * mx
+    reach = {str(t): (math.exp((t - a) / b) if b > 0 else None) for t in (2, 3)}
+    return {"a": a, "b": b, "n_for_tau": reach}
+
+
+def scaling_report(results: dict, out: Path) -> dict:
+    """Held-out sim τ and every online τ against n (training conversations), fits, PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ns = {name: int(name[1:]) for name in results}
+    series = {"held-out sim τ": {name: r["sim_tau"] for name, r in results.items()}}
+    for key in sorted({k for r in results.values() for k in r["decode"]}):
+        series[f"online τ, {key}"] = {name: r["decode"][key]["tau_pooled"] for name, r in results.items()
+                                      if key in r["decode"]}
+    report = {}
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for label, values in series.items():
+        pts = sorted((ns[name], tau) for name, tau in values.items() if tau is not None)
+        if len(pts) < 2:
+            continue
+        fit = log_linear_fit([n for n, _ in pts], [t for _, t in pts])
+        report[label] = {"points": pts, "fit": fit}
+        line = ax.plot([n for n, _ in pts], [t for _, t in pts], marker="o", label=f"{label} (b = {fit['b']:.3f})")
+        grid = [pts[0][0] * (pts[-1][0] / pts[0][0]) ** (i / 20) for i in range(21)]
+        import math
+
+        ax.plot(grid, [fit["a"] + fit["b"] * math.log(n) for n in grid], ls="--", color=line[0].get_color())
+    ax.set_xscale("log")
+    ax.set(xlabel="training conversations (log)", ylabel="τ", title="data scaling: τ = a + b·ln(n) fits")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "scaling.png", dpi=120)
+    plt.close(fig)
+    (out / "scaling.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     suite = SUITES[args.suite]
     variants = suite["variants"]
+    if args.suite == "scaling":
+        variants = {f"n{n}": [f"data.train_samples={n}"] for n in map(int, args.points.split(","))}
     if args.variants:
         variants = {k: variants[k] for k in args.variants.split(",")}
     out = Path(args.out)
@@ -198,18 +255,21 @@ def main(argv: list[str] | None = None) -> dict:
         ev = summary.get("eval") or {}
         results[name] = {"overrides": overrides, "train_wall_s": summary.get("wall_s"), "steps": summary.get("steps"),
                          "sim_tau": ev.get("sim_tau"), "acc_k": ev.get("acc_k"), "alpha_k": ev.get("alpha_k"),
-                         "eval_history": eval_history(Path(args.out) / name), "decode": {}}
+                         "oov_rate": ev.get("oov_rate"), "eval_history": eval_history(Path(args.out) / name),
+                         "decode": {}}
         for mode in filter(None, args.modes.split(",")):
             for temperature in map(float, args.temperatures.split(",")):
                 rep = evaluate(args, name, mode, temperature)
                 keep = ("tau_pooled", "tau_per_request_mean", "per_position_acceptance", "speedup", "tokens_per_s",
-                        "num_prompts", "outputs_identical_to_baseline")
+                        "num_prompts", "outputs_identical_to_baseline", "oov_rate")
                 results[name]["decode"][f"{mode} T={temperature:g}"] = {k: rep.get(k) for k in keep}
     record = {"suite": args.suite, "prep": str(args.prep), "nproc": args.nproc, "train_args": args.train_args,
               "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "results": results}
     (out / "compare.json").write_text(json.dumps(record, indent=1) + "\n")
     (out / "compare.md").write_text(table(results))
     plot(results, out / "per_position.png")
+    if args.suite == "scaling":
+        record["scaling"] = scaling_report(results, out)
     print(json.dumps(record))
     print(table(results))
     return record

@@ -82,3 +82,22 @@ def test_truncation_and_pad_to(prep: Path) -> None:
 def test_batch_size_must_split_evenly(prep: Path) -> None:
     with pytest.raises(ValueError, match="multiple of the world size"):
         ShardBatches(prep / "train", DataConfig(dir=str(prep)), 3, rank=0, world_size=2)
+
+
+def test_train_samples_is_a_fixed_nested_subset_of_any_shard_layout(prep: Path) -> None:
+    from train.data import nested_subset
+
+    ids = [f"conv-{i}" for i in range(50)]
+    small, large = nested_subset(ids, 10, "x"), nested_subset(ids, 30, "x")
+    assert len(small) == 10 and set(small) < set(large)  # nested
+    shuffled = ids[::-1]  # another shard layout of the same samples: the same samples are chosen
+    assert {shuffled[i] for i in nested_subset(shuffled, 10, "x")} == {ids[i] for i in small}
+    assert small != list(range(10))  # not the first (in a prep: the shortest) samples
+    cfg = DataConfig(dir=str(prep), max_len=64, batch_size=4)
+    full = ShardBatches(prep / "train", cfg, 4, rank=0, world_size=1)
+    part = ShardBatches(prep / "train", cfg, 4, rank=0, world_size=1, subset=12)
+    assert full.batches_per_epoch == 6 and part.batches_per_epoch == 3
+    seen = {s for b in part.epoch(0) for s in b.sample_ids}
+    assert seen == {full.shards.sample_ids()[i] for i in nested_subset(full.shards.sample_ids(), 12)}
+    with pytest.raises(ValueError, match="data.train_samples=99"):
+        ShardBatches(prep / "train", cfg, 4, rank=0, world_size=1, subset=99)

@@ -83,6 +83,10 @@ class DataConfig:
     bucket_pool: int = 64  # batches per bucketing pool (sorted by length inside a pool, then shuffled)
     eval_batch_size: int = 8  # global, like batch_size
     eval_max_samples: int | None = None  # None = the whole held-out split
+    # None = the whole train split; n = a fixed subset of n samples (the n smallest sha256 of the sample
+    # ids): the same for every run, seed and world size, and nested (n < m: the n samples are among the m),
+    # so one large prep serves a data-scaling curve.
+    train_samples: int | None = None
     num_workers: int = 0  # DataLoader worker processes per rank
     verify: str = "lazy"  # shard checksum policy: lazy | eager | none
 
@@ -255,6 +259,7 @@ class RunConfig:
             ("model.head_dim", m.head_dim),
             ("model.max_position_embeddings", m.max_position_embeddings),
             ("data.eval_max_samples", d.eval_max_samples),
+            ("data.train_samples", d.train_samples),
         ]:
             if value is not None and value < 1:
                 raise ConfigError(f"{key} must be >= 1 or null, got {value}")

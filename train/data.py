@@ -19,6 +19,7 @@ sampler, so a 100K-token sample trains all its targets instead of the first 40K.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, is_dataclass, replace
 from functools import partial
@@ -149,6 +150,15 @@ def _collate(items, max_len: int) -> Batch:
     return pad_to(collate(samples, max_len=max_len), items[0][1])
 
 
+def nested_subset(sample_ids: list[str], n: int, where: Path | str = "the split") -> list[int]:
+    """Indices of the n samples whose ids hash lowest (sha256), in shard order: a subset independent of
+    the shard layout (prep sorts samples by length) and of any seed, and nested in n."""
+    if n > len(sample_ids):
+        raise ValueError(f"data.train_samples={n} but {where} has {len(sample_ids)} samples")
+    rank = sorted(range(len(sample_ids)), key=lambda i: hashlib.sha256(sample_ids[i].encode()).hexdigest())
+    return sorted(rank[:n])
+
+
 class ShardBatches:
     """One split (train or eval) of a prep dir, as this rank's part of each global batch."""
 
@@ -161,7 +171,10 @@ class ShardBatches:
         world_size: int,
         seed: int = 0,
         max_samples: int | None = None,
+        subset: int | None = None,
     ):
+        """max_samples: only the first samples of the split (a fixed held-out subset); subset: a fixed,
+        nested subset of that many samples (`nested_subset`, data.train_samples)."""
         self.shards = ShardSet(root, verify=cfg.verify)
         self.cfg, self.batch_size, self.rank, self.world_size, self.seed = (
             cfg,
@@ -170,12 +183,14 @@ class ShardBatches:
             world_size,
             seed,
         )
-        # max_samples: only the first samples of the split take part (a fixed held-out subset).
-        lengths = self.shards.lengths()[:max_samples]
+        lengths = self.shards.lengths()
+        chosen = range(len(lengths))[:max_samples]
+        if subset is not None:
+            chosen = nested_subset(self.shards.sample_ids(), subset, root)
         if cfg.overflow == "split":
-            self.items = [(i, s) for i, n in enumerate(lengths) for s in windows(n, cfg.max_len, cfg.split_overlap)]
+            self.items = [(i, s) for i in chosen for s in windows(lengths[i], cfg.max_len, cfg.split_overlap)]
         else:
-            self.items = [(i, 0) for i in range(len(lengths))]
+            self.items = [(i, 0) for i in chosen]
         self.lengths = [min(lengths[i] - s, cfg.max_len) for i, s in self.items]  # per item
         if batch_size % world_size:
             raise ValueError(f"batch size {batch_size} is not a multiple of the world size {world_size}")

@@ -172,7 +172,8 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    train_data = ShardBatches(prep / "train", cfg.data, cfg.data.batch_size, data_rank, data_world, seed=t.seed)
+    train_data = ShardBatches(prep / "train", cfg.data, cfg.data.batch_size, data_rank, data_world, seed=t.seed,
+                              subset=cfg.data.train_samples)
     eval_data = None
     if (prep / "eval" / "manifest.json").exists():
         eval_data = ShardBatches(
