@@ -48,7 +48,9 @@ class PrepConfig:
     max_length: int = 2048
     overflow: str = "truncate"  # truncate: keep the first max_length tokens | drop: skip the sample
     seed: int = 0
-    draft_vocab_size: int = 32000  # capped at the distinct tokens counted; <= 0: the whole target vocabulary
+    # Vd; None: the target preset's (32000 unless measured otherwise); capped at the distinct tokens counted;
+    # <= 0: the whole target vocabulary.
+    draft_vocab_size: int | None = None
     # What ranks the draft vocabulary's tokens: "dataset" = the training split's loss-masked tokens mixed
     # with the assistant tokens of every non-held-out conversation of the dataset (tokenised with the
     # target's template, no forward; data_prep/vocab.py selection_scores); "train" = the training split only.

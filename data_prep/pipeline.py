@@ -273,11 +273,18 @@ def write_draft_vocab(cfg: PrepConfig, out: Path, vocab_size: int, dataset_count
     return d2t, t2d, counts, dataset_counts
 
 
+def with_preset_defaults(cfg: PrepConfig, preset: TargetPreset) -> PrepConfig:
+    """`cfg` with what it leaves to the target preset filled in (the draft vocabulary size)."""
+    return cfg if cfg.draft_vocab_size is not None else replace(cfg, draft_vocab_size=preset.draft_vocab_size)
+
+
 def rebuild_draft_vocab(cfg: PrepConfig) -> dict:
     """`stage=vocab`: a finished prep's draft vocabulary built anew (e.g. another size or count), no model;
     summary.json's vocabulary fields are updated."""
     from transformers import AutoTokenizer
 
+    preset = resolve_target(cfg.model)
+    cfg = with_preset_defaults(cfg, preset)
     out = Path(cfg.out)
     summary_path = out / "summary.json"
     if not summary_path.exists():
@@ -288,7 +295,7 @@ def rebuild_draft_vocab(cfg: PrepConfig) -> dict:
     vocab_size = int(json.loads((out / "target_config.json").read_text())["vocab_size"])
     dataset_counts = None
     if cfg.draft_vocab_count == "dataset":
-        dataset_counts = dataset_token_counts(cfg, tokenizer, splits["pool"], resolve_target(cfg.model), vocab_size)
+        dataset_counts = dataset_token_counts(cfg, tokenizer, splits["pool"], preset, vocab_size)
     d2t, t2d, counts, dataset_counts = write_draft_vocab(cfg, out, vocab_size, dataset_counts)
     summary.update(vocab_summary(cfg, d2t, t2d, counts, dataset_counts))
     summary_path.write_text(json.dumps(summary, indent=1))
@@ -362,6 +369,7 @@ def run(cfg: PrepConfig) -> dict | None:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     preset = resolve_target(cfg.model)
+    cfg = with_preset_defaults(cfg, preset)
     device = _device(cfg)
     tap_layers = list(cfg.capture.tap_layers or preset.tap_layers)
 

@@ -40,6 +40,8 @@ class TargetPreset:
     moe: bool = False
     device_map: str | None = None
     attn_implementation: str | None = None
+    # Vd when prep's draft_vocab_size is not given; a preset sets its own where measured (bench/draft_vocab_size.py)
+    draft_vocab_size: int = 32000
     local_path: str | None = field(default=None, repr=False)
 
 

@@ -23,7 +23,8 @@ def main(prep_dir: str, run_dir: str) -> None:
           f"{prep_summary['tokens']['train']} train tokens, draft vocab {prep_summary['draft_vocab_size']}  → {prep}")
     print(f"train  {train_summary['steps']} steps on {train_summary['world_size']} processes "
           f"(ZeRO-{train_summary['zero_stage']}, K={train_summary['ttt_steps']}) in {train_summary['wall_s']:.0f} s; "
-          f"held-out simulated τ {held_out.get('sim_tau', float('nan')):.3f}  → {run}")
+          f"held-out simulated τ {held_out.get('sim_tau', float('nan')):.3f} (a target outside the draft vocab is a miss; "
+          f"{held_out.get('oov_rate', float('nan')):.1%} of them are)  → {run}")
     print(f"export {run / 'export'} (LlamaForCausalLMEagle3: config.json + model.safetensors)")
     print(format_summary(report))
     print(f"plots  {run / 'eval' / 'per_position_acceptance.png'}, {run / 'eval' / 'accept_length_histogram.png'}")
