@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from data_prep.conversations import load_conversations
+
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
 
@@ -56,3 +58,39 @@ def test_prep_rejects_an_appended_unknown_key(tmp_path: Path, override: str, hin
                        capture_output=True, text=True, env=ENV, timeout=120, cwd=REPO)
     assert r.returncode != 0 and "unknown config key" in r.stderr and hint in r.stderr, r.stderr[-2000:]
     assert not (out / "train").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prep: bad records are skipped and counted under their own reason, the example naming file and line
+
+BAD_RECORDS = [
+    ("torn_last_line", {"d.jsonl": jsonl(good(0), good(1)) + b'{"id": "t", "conversations": [{"fr'},
+     "bad_json", "d.jsonl line 3: Unterminated string starting at column 32"),
+    ("control_character", {"d.jsonl": jsonl(good(0), b'{"id": "c", "conversations": "a\x01b"}')},
+     "bad_json", "d.jsonl line 2: Invalid control character at column 32"),
+    ("non_utf8_jsonl", {"d.jsonl": jsonl(good(0), b'{"id": "u", "conversations": [{"from": "human", "value": '
+                                                  b'"caf\xe9 cr\xe8me"}, {"from": "gpt", "value": "ok"}]}')},
+     "invalid_utf8", "d.jsonl line 2: not UTF-8: b'caf\\xe9 cr\\xe8me'"),
+    ("non_utf8_json_array", {"d.json": b"[" + json.dumps(good(0)).encode() + b", {\"id\": \"caf\xc3\", "
+                                       b"\"conversations\": []}]"},
+     "invalid_utf8", "d.json record 1: not UTF-8: b'caf\\xc3'"),
+    ("lone_surrogate_escape", {"d.jsonl": jsonl(good(0), {"id": "s", "conversations": [
+        {"from": "human", "value": "x\ud800"}, {"from": "gpt", "value": "ok"}]})},
+     "invalid_utf8", "d.jsonl line 2: not UTF-8: 'x\\ud800'"),
+]
+
+
+@pytest.mark.parametrize(("files", "reason", "example"), [c[1:] for c in BAD_RECORDS], ids=[c[0] for c in BAD_RECORDS])
+def test_bad_record_is_skipped_under_its_reason(tmp_path: Path, files, reason: str, example: str) -> None:
+    convs, rep = load_conversations(str(write(tmp_path, files)))
+    assert [c.id for c in convs][:1] == ["g0"] and rep.skipped[reason] == 1, rep.summary()
+    assert example in rep.summary(), rep.summary()
+    assert not any("\ufffd" in m.content for c in convs for m in c.messages)  # never kept with replacements
+
+
+def test_other_files_in_a_data_directory_are_reported(tmp_path: Path) -> None:
+    write(tmp_path, {"a.jsonl": jsonl(good(0)), "notes.txt": b"x", "b.csv": b"q,a\n"})
+    convs, rep = load_conversations(str(tmp_path))
+    assert len(convs) == 1
+    assert rep.ignored_files == [str(tmp_path / "b.csv"), str(tmp_path / "notes.txt")]
+    assert "ignored 2 file(s)" in rep.summary() and "notes.txt" in rep.summary()
