@@ -9,7 +9,8 @@ Output directory (the prep contract; the shard format itself is documented in da
     <out>/target_config.json         the target's HF config
     <out>/tokenizer/                 the target's tokenizer (loss-mask viewer, eval)
     <out>/regen/{split}.r{rank}.jsonl  regenerated conversations with a status per conversation
-    <out>/summary.json               counts, skips by reason, bytes, throughput
+    <out>/summary.json               counts, skips by reason, bytes, throughput; written last (atomically) and
+                                     removed when a rerun starts rewriting: no summary = an unfinished prep
 
 Work is split across torchrun ranks by position (sample i goes to rank i % world); each rank writes
 its own shards and the last step (rank 0) merges the manifests. Every stage resumes: finished
@@ -36,6 +37,7 @@ from data_prep.chat import Dropped, render_conversation, render_prompt, template
 from data_prep.config import PrepConfig
 from data_prep.conversations import Conversation, load_conversations, split_conversations
 from data_prep.shards import (
+    PREP_SUMMARY,
     Sample,
     ShardSpec,
     ShardWriter,
@@ -43,6 +45,7 @@ from data_prep.shards import (
     completed_sample_ids,
     merge_manifests,
     sha256_file,
+    write_prep_summary,
 )
 from data_prep.targets import TargetPreset, load_target, resolve_target
 from data_prep.vocab import (
@@ -279,7 +282,7 @@ def rebuild_draft_vocab(cfg: PrepConfig) -> dict:
     from transformers import AutoTokenizer
 
     out = Path(cfg.out)
-    summary_path = out / "summary.json"
+    summary_path = out / PREP_SUMMARY
     if not summary_path.exists():
         raise FileNotFoundError(f"{summary_path} is missing: stage=vocab needs a finished prep in {out}")
     summary = json.loads(summary_path.read_text())
@@ -289,7 +292,7 @@ def rebuild_draft_vocab(cfg: PrepConfig) -> dict:
     d2t, t2d, counts, dataset_counts = write_draft_vocab(cfg, out, tokenizer, splits["pool"], resolve_target(cfg.model),
                                                          vocab_size)
     summary.update(vocab_summary(cfg, d2t, t2d, counts, dataset_counts))
-    summary_path.write_text(json.dumps(summary, indent=1))
+    write_prep_summary(out, summary)
     print(f"draft vocab {summary['draft_vocab_size']} ids → {out / VOCAB_FILE}")
     return summary
 
@@ -307,7 +310,9 @@ def vocab_summary(cfg: PrepConfig, d2t, t2d, counts, dataset_counts) -> dict:
 
 def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, model, tokenizer, world: int, pool: list[Conversation],
            preset: TargetPreset) -> dict:
-    """Rank 0, after every rank closed its writers: manifests, draft vocab, target files, summary."""
+    """Rank 0, after every rank closed its writers: manifests, draft vocab, target files, and the summary last,
+    which marks the prep finished (data_prep/shards.py finished_prep)."""
+    (out / PREP_SUMMARY).unlink(missing_ok=True)  # unfinished from the first rewritten file on
     manifests = {split: merge_manifests(out / split) for split in SPLITS}
 
     d2t, t2d, counts, dataset_counts = write_draft_vocab(cfg, out, tokenizer, pool, preset, spec.vocab_size)
@@ -334,6 +339,7 @@ def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, model, tokenizer, world:
         "teacher": spec.teacher,
         "taps_dtype": spec.taps_dtype,
         "samples": {s: manifests[s].num_samples for s in SPLITS},
+        "eval_samples_requested": cfg.eval_samples,  # 0: made without a held-out split (training says so)
         "tokens": {s: manifests[s].num_tokens for s in SPLITS},
         "loss_tokens_train": int(counts.sum()),
         "skipped": {k: v for k, v in sorted(total.items()) if k not in NOT_SKIPS},
@@ -347,7 +353,7 @@ def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, model, tokenizer, world:
         **vocab_summary(cfg, d2t, t2d, counts, dataset_counts),
         "target_head_sha256": sha256_file(out / "target_head.safetensors"),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_prep_summary(out, summary)
     return summary
 
 

@@ -6,6 +6,7 @@ Every case writes its own small files; none loads a real model (the tiny random 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -13,8 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import TINY_CONVERSATIONS, run_prep
 
+from data_prep import pipeline
 from data_prep.conversations import load_conversations
+from data_prep.shards import PREP_SUMMARY, ShardError, finished_prep
+from train.data import held_out_split
+from train.synthetic import write_synthetic_prep
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
@@ -94,3 +100,71 @@ def test_other_files_in_a_data_directory_are_reported(tmp_path: Path) -> None:
     assert len(convs) == 1
     assert rep.ignored_files == [str(tmp_path / "b.csv"), str(tmp_path / "notes.txt")]
     assert "ignored 2 file(s)" in rep.summary() and "notes.txt" in rep.summary()
+
+
+def test_an_interrupted_prep_is_unfinished(tmp_path, monkeypatch, tiny_target_dir: Path) -> None:
+    """A prep killed by a full disk while writing the target files looks unfinished (to training too); the rerun
+    finishes it."""
+    records = [{"id": r["id"], "conversations": [t for t in r["conversations"] if t]} for r in TINY_CONVERSATIONS]
+    lead = {"id": "lead", "conversations": [{"from": "gpt", "value": "hi"}, *records[0]["conversations"][:2]]}
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(jsonl(*records, lead, b"{torn"))
+    out = tmp_path / "prep"
+    opts = {"regen.enabled": False, "eval_samples": 2, "draft_vocab_size": 32}
+
+    def disk_full(*args) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pipeline, "save_target_files", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        run_prep(out, str(tiny_target_dir), str(data), **opts)
+    assert (out / "train" / "manifest.json").exists() and not (out / "target_config.json").exists()
+    with pytest.raises(ShardError, match="an unfinished prep .*rerun the same prep command"):
+        held_out_split(out)
+    monkeypatch.undo()
+    run_prep(out, str(tiny_target_dir), str(data), **opts)
+    assert finished_prep(out)["eval_samples_requested"] == 2 and held_out_split(out) == out / "eval"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# training: an unfinished prep, a missing held-out split, a run without one
+
+
+def _without(path: Path) -> None:
+    path.unlink()
+
+
+def _eval_emptied(prep: Path) -> None:  # a prep asked for held-out samples that all were dropped
+    write_synthetic_prep(prep.parent / "empty_eval", n_train=8, n_eval=0)
+    for f in ("manifest.json", "manifest.r0.json"):
+        (prep / "eval" / f).write_text((prep.parent / "empty_eval" / "eval" / f).read_text())
+
+
+BAD_PREPS = [
+    ("no_summary", lambda p: _without(p / PREP_SUMMARY), f"an unfinished prep (no {PREP_SUMMARY}"),
+    ("no_eval_manifest", lambda p: _without(p / "eval" / "manifest.json"),
+     "eval/manifest.json: missing, but the prep was asked for 4 held-out samples"),
+    ("eval_split_empty", _eval_emptied, "eval: no held-out sample, but the prep was asked for 4"),
+]
+
+
+@pytest.mark.parametrize(("damage", "message"), [c[1:] for c in BAD_PREPS], ids=[c[0] for c in BAD_PREPS])
+def test_training_names_a_bad_prep(tmp_path: Path, damage, message: str) -> None:
+    prep = write_synthetic_prep(tmp_path / "prep", n_train=8, n_eval=4)
+    assert held_out_split(prep) == prep / "eval"
+    damage(prep)
+    with pytest.raises(ShardError, match=message.replace("(", r"\(")):
+        held_out_split(prep)
+
+
+def test_a_prep_without_held_out_split_trains_and_says_so_once(tmp_path: Path) -> None:
+    from conftest import run_train
+
+    prep = write_synthetic_prep(tmp_path / "prep", n_train=8, n_eval=0)
+    assert held_out_split(prep) is None
+    out = tmp_path / "run"
+    run_train(out, "+exp=debug", f"data.dir={prep}", "train.max_steps=1", "data.batch_size=4",
+              "train.export=false")
+    log = (out / "train.log").read_text()
+    assert log.count("prepared without a held-out split (eval_samples=0)") == 1, log
+    assert json.loads((out / "summary.json").read_text())["eval"] is None
