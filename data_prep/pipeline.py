@@ -90,9 +90,15 @@ def _device(cfg: PrepConfig) -> str:
 
 def select_conversations(cfg: PrepConfig) -> tuple[dict[str, list[Conversation]], dict]:
     """Load, split (seeded, by id) and cap the conversations; same answer on every rank.
-    Besides the splits, "pool": every conversation that is not held out (what the draft vocabulary counts)."""
+    Besides the splits, "pool": every conversation that is not held out (what the draft vocabulary counts).
+    No conversation to train on is an error here, before any target is loaded or anything written."""
     conversations, skips = load_conversations(cfg.data)
+    if not conversations:
+        raise ValueError(f"data {cfg.data!r}: no usable conversation\n{skips.summary()}")
     pool, held_out = split_conversations(conversations, eval_count=cfg.eval_samples, seed=cfg.seed)
+    if not pool:
+        raise ValueError(f"data {cfg.data!r}: all {len(conversations)} usable conversations are held out "
+                         f"(eval_samples={cfg.eval_samples}); none is left to train on")
     train = pool[: cfg.num_samples] if cfg.num_samples > 0 else pool
     return {"train": train, "eval": held_out, "pool": pool}, skips.to_dict()
 

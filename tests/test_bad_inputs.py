@@ -17,6 +17,7 @@ import pytest
 from conftest import TINY_CONVERSATIONS, run_prep
 
 from data_prep import pipeline
+from data_prep.config import PrepConfig
 from data_prep.conversations import load_conversations
 from data_prep.shards import PREP_SUMMARY, ShardError, finished_prep
 from train.data import held_out_split
@@ -64,6 +65,39 @@ def test_prep_rejects_an_appended_unknown_key(tmp_path: Path, override: str, hin
                        capture_output=True, text=True, env=ENV, timeout=120, cwd=REPO)
     assert r.returncode != 0 and "unknown config key" in r.stderr and hint in r.stderr, r.stderr[-2000:]
     assert not (out / "train").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prep: data with no conversation to train on stops right after loading, before the target is loaded
+
+NO_CONVERSATION = [
+    ("empty_jsonl", {"d.jsonl": b""}, {}, ["no usable conversation", "records read 0, kept 0"]),
+    ("empty_json", {"d.json": b""}, {}, ["no usable conversation", "records read 0, kept 0"]),
+    ("wrong_schema_parquet", {"d.parquet": {"label": [0, 1, 1], "text": ["a", "b", "c"]}}, {},
+     ["records read 3, kept 0, skipped 3", "skipped       3  no_messages", "d.parquet row 0: keys ['label', 'text']"]),
+    ("every_line_bad", {"d.jsonl": jsonl(b'{"id": 1,', b"[1, 2]")}, {},
+     ["records read 2, kept 0, skipped 2", "bad_json", "d.jsonl line 1: Expecting", "not_a_dict"]),
+    ("all_held_out", {"d.jsonl": jsonl(good(0), good(1), good(2))}, {"eval_samples": 40},
+     ["all 3 usable conversations are held out (eval_samples=40)"]),
+]
+
+
+@pytest.mark.parametrize(("files", "overrides", "expected"), [c[1:] for c in NO_CONVERSATION],
+                         ids=[c[0] for c in NO_CONVERSATION])
+def test_no_usable_conversation_stops_before_the_target_loads(tmp_path, monkeypatch, files, overrides,
+                                                               expected) -> None:
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the data was checked")
+
+    monkeypatch.setattr(pipeline, "load_target", no_target)
+    data = write(tmp_path, files)
+    out = tmp_path / "prep"
+    cfg = PrepConfig(data=str(data), out=str(out), **overrides)
+    with pytest.raises(ValueError) as e:
+        pipeline.run(cfg)
+    for text in expected:
+        assert text in str(e.value), str(e.value)
+    assert not (out / "train").exists() and not (out / PREP_SUMMARY).exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------
