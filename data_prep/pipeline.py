@@ -46,6 +46,7 @@ from data_prep.shards import (
     merge_manifests,
     sha256_file,
     write_prep_summary,
+    writing,
 )
 from data_prep.targets import TargetPreset, load_target, resolve_target
 from data_prep.vocab import (
@@ -260,10 +261,13 @@ def save_target_files(model, tokenizer, out: Path) -> None:
         "lm_head.weight": model.get_output_embeddings().weight,
     }
     # clone: tied embeddings share storage, which safetensors refuses to write twice
-    save_file({k: v.detach().float().cpu().clone().contiguous() for k, v in tensors.items()},
-              str(out / "target_head.safetensors"))
-    (out / "target_config.json").write_text(json.dumps(model.config.to_dict(), indent=1, default=str))
-    tokenizer.save_pretrained(out / "tokenizer")
+    with writing(out / "target_head.safetensors"):
+        save_file({k: v.detach().float().cpu().clone().contiguous() for k, v in tensors.items()},
+                  str(out / "target_head.safetensors"))
+    with writing(out / "target_config.json"):
+        (out / "target_config.json").write_text(json.dumps(model.config.to_dict(), indent=1, default=str))
+    with writing(out / "tokenizer"):
+        tokenizer.save_pretrained(out / "tokenizer")
 
 
 def write_draft_vocab(cfg: PrepConfig, out: Path, tokenizer, pool: list[Conversation], preset: TargetPreset,
@@ -278,7 +282,8 @@ def write_draft_vocab(cfg: PrepConfig, out: Path, tokenizer, pool: list[Conversa
         dataset_counts = dataset_token_counts(cfg, tokenizer, pool, preset, vocab_size)
     scores = selection_scores(counts, dataset_counts, cfg.draft_vocab_train_weight)
     d2t, t2d = build_draft_vocab(scores, cfg.draft_vocab_size)
-    save_draft_vocab(out / VOCAB_FILE, d2t, t2d, counts, dataset_counts, scores)
+    with writing(out / VOCAB_FILE):
+        save_draft_vocab(out / VOCAB_FILE, d2t, t2d, counts, dataset_counts, scores)
     return d2t, t2d, counts, dataset_counts
 
 

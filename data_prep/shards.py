@@ -38,12 +38,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 FORMAT_VERSION = 1
@@ -158,9 +159,23 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+@contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Name `path` in a failed write: a full disk raises ENOSPC from write(), an error that names no file."""
+    try:
+        yield
+    except SafetensorError as e:  # safetensors' own I/O error, the OS error as text
+        raise OSError(f"writing {path} failed: {e}") from e
+    except OSError as e:
+        if e.filename is not None:  # already names its file (e.g. a missing directory)
+            raise
+        raise OSError(e.errno, f"writing {path} failed: {e.strerror or e}") from e
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    with writing(tmp):
+        tmp.write_text(text)
     os.replace(tmp, path)
 
 
@@ -252,7 +267,8 @@ class ShardWriter:
         name = f"shards/r{self.rank:03d}-{len(self.manifest.shards):06d}.safetensors"
         path = self.root / name
         tmp = path.with_name(path.name + ".tmp")
-        save_file(self._pack(samples), str(tmp), metadata={"sample_ids": json.dumps([s.sample_id for s in samples])})
+        with writing(tmp):
+            save_file(self._pack(samples), str(tmp), metadata={"sample_ids": json.dumps([s.sample_id for s in samples])})
         os.replace(tmp, path)
         lengths = [len(s) for s in samples]
         self.manifest.shards.append(

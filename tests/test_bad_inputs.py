@@ -202,3 +202,55 @@ def test_a_prep_without_held_out_split_trains_and_says_so_once(tmp_path: Path) -
     log = (out / "train.log").read_text()
     assert log.count("prepared without a held-out split (eval_samples=0)") == 1, log
     assert json.loads((out / "summary.json").read_text())["eval"] is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a full disk: the error names the file being written
+
+
+def _enospc(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # what write() raises: no file name
+
+
+def _safetensors_enospc(*args, **kwargs):
+    from safetensors import SafetensorError
+
+    raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                          '"No space left on device" })')
+
+
+def _write_shard(root: Path) -> None:
+    import torch
+
+    from data_prep.shards import Sample, ShardSpec, ShardWriter
+
+    spec = ShardSpec(target={"id": "t", "num_layers": 4, "hidden_size": 4, "vocab_size": 16}, tap_layers=[1])
+    w = ShardWriter(root, spec)
+    w.add(Sample("s", torch.arange(3), torch.ones(3, dtype=torch.bool), torch.zeros(3, 4), torch.zeros(3, 4)))
+    w.close()
+
+
+def _write_checkpoint(root: Path) -> None:
+    import torch
+
+    from train import checkpoint
+
+    state = {"params": {"w": torch.zeros(2)}, "exp_avg": {"w": torch.zeros(2)}, "exp_avg_sq": {"w": torch.zeros(2)},
+             "adam_step": 1, "scheduler": {}}
+    checkpoint.save(root, 1, state, {}, {}, {}, keep=2)
+
+
+DISK_FULL = [
+    ("shard", "data_prep.shards.save_file", _safetensors_enospc, _write_shard, "shards/r000-000000.safetensors.tmp"),
+    ("partial_manifest", "pathlib.Path.write_text", _enospc, _write_shard, "manifest.r0.json.tmp"),
+    ("checkpoint", "train.checkpoint.save_file", _safetensors_enospc, _write_checkpoint, ".tmp-step_000001"),
+]
+
+
+@pytest.mark.parametrize(("target", "fail", "write_it", "named"), [c[1:] for c in DISK_FULL],
+                         ids=[c[0] for c in DISK_FULL])
+def test_disk_full_names_the_file(tmp_path: Path, monkeypatch, target: str, fail, write_it, named: str) -> None:
+    monkeypatch.setattr(target, fail)
+    with pytest.raises(OSError) as e:
+        write_it(tmp_path)
+    assert f"writing {tmp_path}/{named} failed" in str(e.value) and "No space left on device" in str(e.value)

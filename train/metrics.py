@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from data_prep.shards import writing
 from train.config import LoggerConfig
 
 
@@ -96,8 +97,9 @@ class MetricsLogger:
         record = {"kind": kind, "step": step, "time": time.time(), **_plain(metrics)}
         if not self.enabled:
             return record
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        with writing(self.path):
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
         if self._wandb is not None:
             self._wandb.log({f"{kind}/{k}": v for k, v in flatten(_plain(metrics)).items()}, step=step)
         if self._bar is not None and kind == "train":
