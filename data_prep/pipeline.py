@@ -35,7 +35,7 @@ from tqdm import tqdm
 from data_prep.capture import HiddenStateCapture, base_model, compact_teacher
 from data_prep.chat import Dropped, render_conversation, render_prompt, template_hash
 from data_prep.config import PrepConfig
-from data_prep.conversations import Conversation, load_conversations, split_conversations
+from data_prep.conversations import Conversation, SkipReport, load_conversations, split_conversations
 from data_prep.shards import (
     PREP_SUMMARY,
     Sample,
@@ -426,10 +426,9 @@ def print_summary(summary: dict, out: Path) -> None:
     print(f"  samples  train {summary['samples']['train']}  eval {summary['samples']['eval']}")
     print(f"  tokens   train {summary['tokens']['train']}  eval {summary['tokens']['eval']}  "
           f"(loss tokens {summary['loss_tokens_train']})")
-    loader = summary["loader_skips"]
-    print(f"  records  read {loader['records']}, kept {loader['kept']}")
-    for reason, n in {**loader["skipped"], **summary["skipped"]}.items():
-        print(f"  skipped  {n:6d}  {reason}")
+    print("  " + SkipReport.from_dict(summary["loader_skips"]).summary().replace("\n", "\n  "))
+    for reason, n in summary["skipped"].items():
+        print(f"  skipped {n:>7}  {reason}")
     print(f"  truncated to max_length (kept) {summary['truncated_to_max_length']}")
     print(f"  written  {summary['bytes_written'] / 2**20:.1f} MiB, {summary['bytes_per_token']} B/token; "
           f"capture {summary['capture_tokens_per_s']:.0f} tokens/s")

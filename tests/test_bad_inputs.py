@@ -136,9 +136,10 @@ def test_other_files_in_a_data_directory_are_reported(tmp_path: Path) -> None:
     assert "ignored 2 file(s)" in rep.summary() and "notes.txt" in rep.summary()
 
 
-def test_an_interrupted_prep_is_unfinished(tmp_path, monkeypatch, tiny_target_dir: Path) -> None:
+def test_console_summary_shows_fixes_examples_and_an_interrupted_prep_is_unfinished(
+        tmp_path, monkeypatch, capsys, tiny_target_dir: Path) -> None:
     """A prep killed by a full disk while writing the target files looks unfinished (to training too); the rerun
-    finishes it."""
+    finishes it and prints what summary.json has: fixed counts and per-reason examples."""
     records = [{"id": r["id"], "conversations": [t for t in r["conversations"] if t]} for r in TINY_CONVERSATIONS]
     lead = {"id": "lead", "conversations": [{"from": "gpt", "value": "hi"}, *records[0]["conversations"][:2]]}
     data = tmp_path / "d.jsonl"
@@ -156,8 +157,12 @@ def test_an_interrupted_prep_is_unfinished(tmp_path, monkeypatch, tiny_target_di
     with pytest.raises(ShardError, match="an unfinished prep .*rerun the same prep command"):
         held_out_split(out)
     monkeypatch.undo()
+    capsys.readouterr()
     run_prep(out, str(tiny_target_dir), str(data), **opts)
     assert finished_prep(out)["eval_samples_requested"] == 2 and held_out_split(out) == out / "eval"
+    console = capsys.readouterr().out
+    assert "fixed         1  dropped_leading_assistant (kept)" in console, console
+    assert f"e.g. bad_json: {data} line 14: Expecting property name" in console, console
 
 
 # ---------------------------------------------------------------------------------------------------------------
