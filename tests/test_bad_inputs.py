@@ -166,6 +166,50 @@ def test_console_summary_shows_fixes_examples_and_an_interrupted_prep_is_unfinis
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# evaluation prompts: every line is checked; the first bad one stops with file, line and reason
+
+BAD_PROMPTS = [
+    ("torn_line", b'{"turns": ["What is', "not valid JSON (Unterminated string starting at column 12)"),
+    ("plain_string", b'"What is 2 + 2?"', "a record must be a JSON object, got str"),
+    ("number", b"42", "a record must be a JSON object, got int"),
+    ("turns_a_string", '{"turns": "What is…"}'.encode(),
+     "'turns' must be a non-empty list of non-empty strings, got \"What is…\""),
+    ("turns_empty", b'{"turns": []}', "'turns' must be a non-empty list of non-empty strings, got []"),
+    ("turn_not_a_string", b'{"turns": ["ok", 3]}', "'turns' must be a non-empty list"),
+    ("turn_blank", b'{"turns": ["ok", "  "]}', "'turns' must be a non-empty list"),
+    ("prompt_blank", b'{"prompt": ""}', "'prompt' must be a non-empty string"),
+    ("no_prompt_key", b'{"text": "x"}', "a record needs 'turns' (a list of user messages) or 'prompt'"),
+    ("non_utf8", b'{"prompt": "caf\xe9"}', "not UTF-8 (byte 16 of the line"),
+]
+
+
+@pytest.mark.parametrize(("line", "reason"), [c[1:] for c in BAD_PROMPTS], ids=[c[0] for c in BAD_PROMPTS])
+def test_bad_prompt_line_is_named(tmp_path: Path, line: bytes, reason: str) -> None:
+    from eval.prompts import load_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"turns": ["fine", "also fine"]}\n\n' + line + b'\n{"prompt": "after"}\n')
+    with pytest.raises(ValueError) as e:
+        load_prompts(str(path), limit=1)  # a limit does not skip the check of the later lines
+    assert str(e.value).startswith(f"{path}:3: {reason}"), str(e.value)
+
+
+def test_bad_prompts_stop_before_the_target_loads(tmp_path: Path, monkeypatch) -> None:
+    import data_prep.targets
+    from eval.config import EvalConfig
+    from eval.run import run_eval
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the prompts were checked")
+
+    monkeypatch.setattr(data_prep.targets, "load_target", no_target)
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"turns": "What is"}\n')
+    with pytest.raises(ValueError, match=f"{path}:1: 'turns' must be"):
+        run_eval(EvalConfig(drafter=str(tmp_path), prompts=str(path), out_dir=str(tmp_path / "o")), progress=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # training: an unfinished prep, a missing held-out split, a run without one
 
 
