@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -251,6 +252,24 @@ def test_a_prep_without_held_out_split_trains_and_says_so_once(tmp_path: Path) -
     log = (out / "train.log").read_text()
     assert log.count("prepared without a held-out split (eval_samples=0)") == 1, log
     assert json.loads((out / "summary.json").read_text())["eval"] is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# training: a torn metrics.jsonl tail (a crash mid-write) is tolerated and reported; elsewhere it is an error
+
+
+def test_torn_metrics_tail_is_dropped_and_reported(tmp_path: Path, caplog) -> None:
+    from train.metrics import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"kind": "train", "step": s, "loss": 1.0} for s in (1, 2)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"kind": "train", "st')
+    with caplog.at_level(logging.WARNING, logger="train"):
+        assert read_metrics(path) == rows
+    assert f"{path}:3: torn last line dropped" in caplog.text
+    path.write_text(json.dumps(rows[0]) + '\n{"kind": "tr\n' + json.dumps(rows[1]) + "\n")
+    with pytest.raises(ValueError, match=f"{path}:2: not a JSON record \\(Unterminated string starting at column 10\\)"):
+        read_metrics(path)
 
 
 # ---------------------------------------------------------------------------------------------------------------
