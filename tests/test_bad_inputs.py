@@ -322,3 +322,20 @@ def test_disk_full_names_the_file(tmp_path: Path, monkeypatch, target: str, fail
     with pytest.raises(OSError) as e:
         write_it(tmp_path)
     assert f"writing {tmp_path}/{named} failed" in str(e.value) and "No space left on device" in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a target preset whose hub id cannot be reached
+
+
+def test_unreachable_preset_names_preset_hub_id_and_remedy(tmp_path: Path) -> None:
+    from huggingface_hub import constants
+
+    if not constants.HF_HUB_OFFLINE:
+        pytest.skip("needs HF_HUB_OFFLINE=1 (it would download gpt-oss-120b)")
+    data = write(tmp_path, {"d.jsonl": jsonl(*(good(i) for i in range(4)))})
+    with pytest.raises(OSError) as e:
+        run_prep(tmp_path / "prep", "gpt-oss-120b", str(data), eval_samples=1)
+    text = str(e.value)
+    assert "target 'gpt-oss-120b' resolves to the hub id 'openai/gpt-oss-120b'" in text, text
+    assert "make MODEL=<dir>" in text and "HF_HUB_OFFLINE=0" in text
