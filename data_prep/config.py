@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import typing
 from dataclasses import dataclass, field
+from typing import Any
 
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A configuration that composes but cannot run; the message names the key."""
 
 
 @dataclass
@@ -79,3 +87,25 @@ class PrepConfig:
             raise ValueError(f"draft_vocab_train_weight must be in [0, 1], got {self.draft_vocab_train_weight}")
         if self.max_length < 8:
             raise ValueError("max_length must be >= 8")
+
+
+def prep_config(raw: DictConfig) -> PrepConfig:
+    """A composed Hydra config as a typed PrepConfig, every key checked against the schema."""
+    check_keys(OmegaConf.to_container(raw, resolve=False), PrepConfig)
+    return OmegaConf.to_object(raw)
+
+
+def check_keys(node: Any, schema: type, prefix: str = "") -> None:
+    """ConfigError for a key of `node` that `schema` (a dataclass, nested) lacks, with the closest known key.
+    Hydra's `+key=value` opens the struct flag, so an appended key slips past the schema otherwise (and the
+    default is silently used). Shared by prep and train."""
+    if not (dataclasses.is_dataclass(schema) and isinstance(node, dict)):
+        return
+    known = {f.name: f for f in dataclasses.fields(schema)}
+    hints = typing.get_type_hints(schema)
+    for key, value in node.items():
+        if key not in known:
+            close = difflib.get_close_matches(str(key), list(known), n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {sorted(known)}"
+            raise ConfigError(f"unknown config key '{prefix}{key}' (not in {schema.__name__}){hint}")
+        check_keys(value, hints[key], f"{prefix}{key}.")

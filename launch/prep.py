@@ -8,9 +8,8 @@ See data_prep/pipeline.py for the output layout and data_prep/shards.py for the 
 
 import hydra
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
 
-from data_prep.config import PrepConfig
+from data_prep.config import ConfigError, PrepConfig, prep_config
 from data_prep.pipeline import run
 
 ConfigStore.instance().store(name="prep_schema", node=PrepConfig)
@@ -18,7 +17,10 @@ ConfigStore.instance().store(name="prep_schema", node=PrepConfig)
 
 @hydra.main(config_path="../conf/prep", config_name="prep", version_base="1.3")
 def main(raw) -> None:
-    cfg: PrepConfig = OmegaConf.to_object(raw)
+    try:
+        cfg = prep_config(raw)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from None
     run(cfg)
 
 

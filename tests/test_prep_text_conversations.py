@@ -168,8 +168,9 @@ def test_every_bad_record_reason_is_counted(tmp_path: Path) -> None:
     assert len(derived) == 1 and len(derived[0].id) == 17
     assert "sg0#2" in by_id and by_id["sg0#2"].messages[0].content == "question 5.0"
     ex = {e.reason: e for e in rep.examples}
-    assert ex["bad_json"].index == 1 and ex["bad_json"].file == str(path)
-    assert ex["unknown_role"].index == 7 and "tool" in ex["unknown_role"].detail
+    assert (ex["bad_json"].index, ex["bad_json"].unit) == (2, "line") and ex["bad_json"].file == str(path)
+    assert "at column 2" in ex["bad_json"].detail  # the decoder's message with its place, not cut
+    assert ex["unknown_role"].index == 8 and "tool" in ex["unknown_role"].detail  # 1-based line numbers
     assert "bad_json" in rep.summary() and rep.to_dict()["skipped"]["duplicate"] == 1
     # the derived id is stable across loads
     again, _ = load_conversations(str(path))

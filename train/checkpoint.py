@@ -28,6 +28,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from data_prep.shards import writing
+
 LATEST = "latest"
 
 
@@ -89,24 +91,25 @@ def save(
     tmp = root / f".tmp-{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    model = {f"param/{k}": v.contiguous() for k, v in engine_state["params"].items()}
-    model.update({f"buffer/{k}": v.contiguous() for k, v in buffers.items()})
-    save_file(model, str(tmp / "model.safetensors"))
-    moments = {
-        f"{key}/{k}": v.contiguous()
-        for key in ("exp_avg", "exp_avg_sq")
-        for k, v in engine_state[key].items()
-    }
-    save_file(moments, str(tmp / "optimizer.safetensors"))
-    state = {
-        "step": step,
-        "adam_step": engine_state["adam_step"],
-        "scheduler": engine_state["scheduler"],
-        **meta,
-    }
-    (tmp / "state.json").write_text(json.dumps(state, indent=1, default=_json_default))
-    (tmp / "drafter_config.json").write_text(json.dumps(drafter_config, indent=1))
-    torch.save(rng_state(), tmp / "rng.pt")
+    with writing(tmp):  # a full disk's error names no file
+        model = {f"param/{k}": v.contiguous() for k, v in engine_state["params"].items()}
+        model.update({f"buffer/{k}": v.contiguous() for k, v in buffers.items()})
+        save_file(model, str(tmp / "model.safetensors"))
+        moments = {
+            f"{key}/{k}": v.contiguous()
+            for key in ("exp_avg", "exp_avg_sq")
+            for k, v in engine_state[key].items()
+        }
+        save_file(moments, str(tmp / "optimizer.safetensors"))
+        state = {
+            "step": step,
+            "adam_step": engine_state["adam_step"],
+            "scheduler": engine_state["scheduler"],
+            **meta,
+        }
+        (tmp / "state.json").write_text(json.dumps(state, indent=1, default=_json_default))
+        (tmp / "drafter_config.json").write_text(json.dumps(drafter_config, indent=1))
+        torch.save(rng_state(), tmp / "rng.pt")
     if final.exists():  # a rerun of the same step (e.g. resumed and re-saved): replace it
         shutil.rmtree(final)
     os.replace(tmp, final)

@@ -9,9 +9,6 @@ enumerations, combinations); launch/train.py calls it before any process group e
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import typing
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,15 +16,13 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from data_prep.config import ConfigError, check_keys
+
 PRECISIONS = ("auto", "bf16", "fp32")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 WANDB_MODES = ("offline", "online", "disabled")
 OVERFLOW = ("truncate", "split")
 SCHEDULES = ("cosine", "wsd")
-
-
-class ConfigError(ValueError):
-    """A configuration that composes but cannot run; the message names the key."""
 
 
 @dataclass
@@ -178,7 +173,7 @@ class RunConfig:
         """A composed Hydra config (hydra keys dropped) as a plain, typed RunConfig."""
         raw = OmegaConf.masked_copy(raw, [k for k in raw.keys() if k != "hydra"])
         # Hydra's `+key=value` opens the struct flag, so an appended key can slip past the schema.
-        _check_keys(OmegaConf.to_container(raw, resolve=False), cls, "")
+        check_keys(OmegaConf.to_container(raw, resolve=False), cls)
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), raw))
         assert isinstance(cfg, cls)
         return cfg
@@ -335,19 +330,6 @@ class RunConfig:
         elif m.attn_backend != "auto":
             warnings.warn("model.attn_backend has no effect with model.method=dflash (SDPA with explicit "
                           "block masks on every device)", stacklevel=3)
-
-
-def _check_keys(node: Any, schema: type, prefix: str) -> None:
-    if not (dataclasses.is_dataclass(schema) and isinstance(node, dict)):
-        return
-    known = {f.name: f for f in dataclasses.fields(schema)}
-    hints = typing.get_type_hints(schema)
-    for key, value in node.items():
-        if key not in known:
-            close = difflib.get_close_matches(str(key), list(known), n=1)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {sorted(known)}"
-            raise ConfigError(f"unknown config key '{prefix}{key}' (not in {schema.__name__}){hint}")
-        _check_keys(value, hints[key], f"{prefix}{key}.")
 
 
 def _one_of(key: str, value: Any, allowed: tuple) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from data_prep.shards import ShardSet
+from data_prep.shards import MANIFEST, ShardError, ShardSet, finished_prep
 from train.batch import PAD_ID, Batch, collate
 from train.config import DataConfig
 
@@ -105,6 +105,22 @@ def window(sample, start: int, max_len: int, overlap: int):
     if hasattr(out, "sample_id"):
         out.sample_id = f"{out.sample_id}@{start}"
     return out
+
+
+def held_out_split(prep: Path) -> Path | None:
+    """The held-out split of a finished prep; None where the prep was made without one (eval_samples=0).
+    A prep that was asked for held-out samples and lacks them is an error, never a run without evaluation."""
+    asked = finished_prep(prep).get("eval_samples_requested")  # None: a prep from before the key (asked)
+    root = Path(prep) / "eval"
+    if asked == 0:
+        return None
+    if not (root / MANIFEST).exists():
+        raise ShardError(f"{root / MANIFEST}: missing, but the prep was asked for {asked or 'some'} held-out "
+                         "samples; restore the prep's eval/ or rerun the prep")
+    if not ShardSet(root, verify="none").lengths():
+        raise ShardError(f"{root}: no held-out sample, but the prep was asked for {asked or 'some'} (every "
+                         "held-out conversation was dropped: see the prep's summary.json)")
+    return root
 
 
 def rank_part(batch: list[int], rank: int, world_size: int) -> list[int]:

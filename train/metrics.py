@@ -7,6 +7,7 @@ a resume check or a sweep summary is a few lines of reading, with or without wan
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import sys
@@ -16,7 +17,11 @@ from typing import Any
 
 import torch
 
+from data_prep.conversations import json_error
+from data_prep.shards import writing
 from train.config import LoggerConfig
+
+log = logging.getLogger("train")
 
 
 def memory_stats() -> dict[str, float]:
@@ -96,8 +101,9 @@ class MetricsLogger:
         record = {"kind": kind, "step": step, "time": time.time(), **_plain(metrics)}
         if not self.enabled:
             return record
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        with writing(self.path):
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
         if self._wandb is not None:
             self._wandb.log({f"{kind}/{k}": v for k, v in flatten(_plain(metrics)).items()}, step=step)
         if self._bar is not None and kind == "train":
@@ -130,6 +136,20 @@ class MetricsLogger:
 
 
 def read_metrics(path: Path, kind: str | None = None) -> list[dict]:
-    """The records of a metrics.jsonl, optionally of one kind."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of a metrics.jsonl, optionally of one kind. A torn last line (no newline: a crash while it
+    was written) is dropped with a warning; a bad line anywhere else is an error naming it."""
+    text = Path(path).read_text()
+    lines = text.split("\n")
+    rows = []
+    for line_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if line_no == len(lines):  # after the last newline: the record was never completed
+                log.warning("%s:%d: torn last line dropped (a crash while it was written): %.60r", path, line_no,
+                            line)
+                continue
+            raise ValueError(f"{path}:{line_no}: not a JSON record ({json_error(e)})") from None
     return [r for r in rows if kind is None or r["kind"] == kind]

@@ -3,7 +3,8 @@
     python -m train.synthetic <out_dir> [--train 64] [--eval 16] [--hidden 32] [--vocab 256]
 
 Writes exactly what data_prep produces (train/ and eval/ shard sets through data_prep.shards'
-ShardWriter, draft_vocab.safetensors, target_head.safetensors, target_config.json) for a made-up
+ShardWriter, draft_vocab.safetensors, target_head.safetensors, target_config.json, and last a minimal
+summary.json) for a made-up
 8-layer Llama target. The data is learnable, so a few hundred steps show the loss fall: token
 sequences follow a fixed random successor table, the taps carry the current token's embedding plus
 noise, and the teacher hidden state at t is the embedding of x_{t+1} (lm_head = embedding, so the
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from data_prep.shards import Sample, ShardSpec, ShardWriter, merge_manifests
+from data_prep.shards import Sample, ShardSpec, ShardWriter, merge_manifests, write_prep_summary
 from data_prep.vocab import VOCAB_FILE, build_draft_vocab, count_tokens, save_draft_vocab
 
 NUM_LAYERS = 8
@@ -105,6 +106,8 @@ def write_synthetic_prep(
         str(out / "target_head.safetensors"),
     )
     (out / "target_config.json").write_text(json.dumps(target_config(hidden, vocab), indent=1))
+    write_prep_summary(out, {"target": spec.target, "samples": {"train": n_train, "eval": n_eval},
+                             "eval_samples_requested": n_eval})
     return out
 
 

@@ -27,7 +27,7 @@ from torch import Tensor
 from train import checkpoint
 from train.build import load_head
 from train.config import RunConfig
-from train.data import Cursor, ShardBatches
+from train.data import Cursor, ShardBatches, held_out_split
 from train.engine import Engine, init_distributed
 from train.metrics import MetricsLogger, memory_stats
 from train.objective import Objective, make_objective
@@ -172,14 +172,18 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    eval_root = held_out_split(prep)  # first: it names an unfinished prep as such
     train_data = ShardBatches(prep / "train", cfg.data, cfg.data.batch_size, data_rank, data_world, seed=t.seed,
                               subset=cfg.data.train_samples)
     eval_data = None
-    if (prep / "eval" / "manifest.json").exists():
+    if eval_root is not None:
         eval_data = ShardBatches(
-            prep / "eval", cfg.data, cfg.data.eval_batch_size, data_rank, data_world,
+            eval_root, cfg.data, cfg.data.eval_batch_size, data_rank, data_world,
             max_samples=cfg.data.eval_max_samples,
         )
+    elif rank == 0:
+        log.warning("%s was prepared without a held-out split (eval_samples=0): this run trains without "
+                    "evaluation (summary.json eval: null)", prep)
     steps_total = total_steps(cfg, train_data.batches_per_epoch)
     latest = checkpoint.latest(run_dir / "checkpoints") if t.resume else None
     ckpt = checkpoint.load(latest) if latest is not None else None
