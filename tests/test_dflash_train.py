@@ -193,7 +193,7 @@ def test_config_composes_and_validates() -> None:
 
         cfg = make("+exp=dflash").validate(2)
         assert (cfg.model.method, cfg.model.num_layers, cfg.model.block_size) == ("dflash", 5, 16)
-        assert cfg.data.batch_size == 8 and cfg.train.epochs == 4  # the eagle3_demo budget
+        assert cfg.data.batch_size == 8 and cfg.train.epochs == 4  # its own demo-sized budget
         obj = __import__("train.objective", fromlist=["make_objective"]).make_objective(cfg)
         assert isinstance(obj, DFlashObjective) and obj.positions == 15 and obj.settings.anchors == 32
         for bad in ("model.block_size=1", "model.mask_token_id=-1", "model.tap_layers=[3,3]", "train.dflash_gamma=0"):

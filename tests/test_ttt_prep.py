@@ -77,6 +77,8 @@ def test_offline_report_on_real_eval_split(tiny_prep_dir, tmp_path):
     rep = offline_report(drafter, head, ds, TTTSettings(steps=3), tmp_path, batch_size=2)
     saved = json.loads((tmp_path / "offline_report.json").read_text())
     assert saved["num_samples"] == len(ds) and saved["teacher"] == "hidden"
-    assert saved["num_positions"] == saved["n_valid_k"][0] > 0
+    # every target row counts (honest metric); those outside the draft vocab are the OOV share
+    assert saved["num_positions"] == saved["n_target_k"][0] >= saved["n_valid_k"][0] > 0
+    assert saved["oov_rate"] == 1 - saved["n_valid_k"][0] / saved["n_target_k"][0]
     assert 1.0 <= saved["sim_tau"] <= 4.0 and rep["alpha_k"][0] == rep["acc_k"][0]
     assert (tmp_path / "offline_report.png").stat().st_size > 5000

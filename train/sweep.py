@@ -23,17 +23,12 @@ def collect(sweep_dir: Path) -> list[dict]:
     rows = []
     for job in sorted(sweep_dir.glob("job*"), key=lambda p: int(p.name[3:]) if p.name[3:].isdigit() else 1 << 30):
         path = job / "summary.json"
-        if not path.exists():
-            rows.append({"job": job.name, "status": "no summary (failed or running)"})
+        if not path.exists():  # its learning curve so far still shows
+            rows.append({"job": job.name, "status": "no summary (failed, stopped or running)",
+                         "overrides": _overrides(job), "curve": _curve(job / "metrics.jsonl")})
             continue
         s = json.loads(path.read_text())
         ev = s.get("eval") or {}
-        overrides_file = job / ".hydra" / "overrides.yaml"
-        overrides = []
-        if overrides_file.exists():
-            import yaml
-
-            overrides = yaml.safe_load(overrides_file.read_text()) or []
         rows.append({
             "job": job.name,
             "status": "finished" if s.get("finished") else "stopped",
@@ -46,10 +41,21 @@ def collect(sweep_dir: Path) -> list[dict]:
             "eval_loss_k": ev.get("loss_k"),
             "oov_rate": ev.get("oov_rate"),
             "wall_s": s.get("wall_s"),
-            "overrides": [o for o in overrides if not o.startswith(("out_dir=", "data.dir="))],
+            "overrides": _overrides(job),
             "curve": _curve(job / "metrics.jsonl"),
         })
     return rows
+
+
+def _overrides(job: Path) -> list[str]:
+    """The job's Hydra overrides, less where it ran and how it logged."""
+    path = job / ".hydra" / "overrides.yaml"
+    if not path.exists():
+        return []
+    import yaml
+
+    return [o for o in yaml.safe_load(path.read_text()) or []
+            if not o.startswith(("out_dir=", "data.dir=", "logger."))]
 
 
 def _curve(path: Path) -> list[dict]:
@@ -66,8 +72,8 @@ def _curve(path: Path) -> list[dict]:
             for r in records if r["kind"] == "eval"]
 
 
-def _label(r: dict) -> str:
-    return " ".join(r.get("overrides") or []) or r["job"]
+def _label(r: dict, common: set[str] = frozenset()) -> str:
+    return " ".join(o for o in r.get("overrides") or [] if o not in common) or r["job"]
 
 
 def _fmt(x, nd: int = 3) -> str:
@@ -100,18 +106,21 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    done = [r for r in rows if r.get("sim_tau") is not None]
-    fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(16, 4.5))
+    # the overrides every job shares say nothing about the difference between them
+    common = set.intersection(*(set(r.get("overrides") or []) for r in rows)) if rows else set()
+    fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(16, 4.8))
     for ax, x, xlabel in ((ax0, "step", "optimizer step"), (ax1, "time_s", "wall seconds")):
-        for r in done:
+        for i, r in enumerate(rows):  # a stopped job's curve so far too
             pts = [c for c in r.get("curve") or [] if c["sim_tau"] is not None]
-            ax.plot([c[x] for c in pts], [c["sim_tau"] for c in pts], marker=".", label=_label(r))
+            ax.plot([c[x] for c in pts], [c["sim_tau"] for c in pts], marker=".", color=f"C{i % 10}",
+                    label=_label(r, common))
         ax.set_xlabel(xlabel)
         ax.set_ylabel("held-out simulated τ (OOV = miss)")
         ax.set_title(f"learning curve by {xlabel}")
-    ax0.legend(fontsize=6)
-    for r in done:
-        ax2.plot(range(len(r["acc_k"])), r["acc_k"], marker=".", label=_label(r))
+    ax0.legend(fontsize=6, loc="lower right")
+    for i, r in enumerate(rows):  # one colour per job in every panel
+        if r.get("sim_tau") is not None:
+            ax2.plot(range(len(r["acc_k"])), r["acc_k"], marker=".", color=f"C{i % 10}", label=_label(r, common))
     ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax2.set_xlabel("TTT step k")
     ax2.set_ylabel("held-out acc_k")
