@@ -39,7 +39,6 @@ def target_replies(num_prompts: int, max_new_tokens: int, cache: Path) -> list[l
     model, tok = load_target(preset)
     eos = list(stop_token_ids(model, tok))
     prompts = [render(tok, [{"role": "user", "content": r.turns[0]}], {}) for r in load_prompts("mtbench", num_prompts)]
-    replies: list[list[int]] = []
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: dict[int, list[int]] = {}
     for start in range(0, len(order), 16):
@@ -114,11 +113,13 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out-dir", default="bench/results")
+    ap.add_argument("--saved", nargs="*", default=[], help="other preps whose saved draft vocabulary is also "
+                    "scored for coverage (e.g. one built by the old rule), on the same replies and held-out split")
     a = ap.parse_args()
     torch.set_num_threads(1)
 
     from data_prep.shards import ShardSet
-    from data_prep.vocab import VOCAB_FILE, draft_vocab_of_size
+    from data_prep.vocab import VOCAB_FILE, draft_vocab_of_size, load_draft_vocab
 
     prep, out_dir = Path(a.prep), Path(a.out_dir)
     replies = target_replies(a.num_prompts, a.max_new_tokens, out_dir / "mtbench_target_replies.json")
@@ -132,12 +133,19 @@ def main() -> None:
                "held_out_coverage": float(t2d[held_out].double().mean()), **step_costs(prep, vd, a.reps)}
         rows.append(row)
         print(json.dumps(row), flush=True)
+    saved = []
+    for other in map(Path, a.saved):
+        _, t2d = load_draft_vocab(other / VOCAB_FILE)
+        saved.append({"prep": str(other), "draft_vocab_size": int(t2d.sum()),
+                      "mtbench_reply_coverage": float(t2d[emitted].double().mean()),
+                      "held_out_coverage": float(t2d[held_out].double().mean())})
+        print(json.dumps(saved[-1]), flush=True)
     ref = next(r for r in rows if r["requested"] == 32768)
     for r in rows:
         for k in ("draft_step_1_s", "draft_step_8_s", "train_head_1024_rows_s"):
             r[k.removesuffix("_s") + "_vs_32k"] = r[k] / ref[k]
     result = {"prep": str(prep), "mtbench_prompts": len(replies), "mtbench_reply_tokens": int(emitted.numel()),
-              "held_out_loss_tokens": int(held_out.numel()), "rows": rows,
+              "held_out_loss_tokens": int(held_out.numel()), "rows": rows, "saved_vocabularies": saved,
               "definitions": {"coverage": "share of tokens inside the draft vocabulary",
                               "cost ratios": "median seconds / the Vd = 32,768 drafter's, 1 thread, same run"}}
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,6 @@ import torch
 
 from eval.prompts import load_prompts
 
-pytest.importorskip("models.eagle3")
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -8,7 +8,6 @@ import torch
 from eval.drafting import catch_up, draft_chain, draft_tree
 from eval.target import TargetRunner
 
-pytest.importorskip("models.eagle3")
 torch.set_num_threads(1)
 
 PREFIX = [4, 17, 9, 30, 2, 11]

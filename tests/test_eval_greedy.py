@@ -10,7 +10,6 @@ from eval.sampling import SamplingParams
 from eval.spec_decode import SpecSettings, SpeculativeDecoder, plain_generate
 from eval.target import TargetRunner
 
-pytest.importorskip("models.eagle3")
 torch.set_num_threads(1)
 
 GREEDY = SamplingParams()

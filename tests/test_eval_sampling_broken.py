@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_eval_sampling_e2e import ALPHA, MODES, PARAMS, PROMPT, generate_many, make_pair
 
 from eval import sampling
-
-pytest.importorskip("models.eagle3")
-from test_eval_sampling_e2e import ALPHA, MODES, PARAMS, PROMPT, generate_many, make_pair  # noqa: E402
-
-from eval.testing import rank_goodness_of_fit  # noqa: E402
+from eval.testing import rank_goodness_of_fit
 
 torch.set_num_threads(1)
 

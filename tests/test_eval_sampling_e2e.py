@@ -20,7 +20,6 @@ from eval.spec_decode import SpecSettings, SpeculativeDecoder, plain_generate
 from eval.target import TargetRunner
 from eval.testing import rank_goodness_of_fit
 
-pytest.importorskip("models.eagle3")
 torch.set_num_threads(1)
 
 VOCAB, EOS = 8, 0

@@ -35,7 +35,7 @@ def tiny(**flags) -> Eagle3Drafter:
     drafter.set_vocab_mapping(*vocab(V, VD, torch.Generator().manual_seed(0)))
     with torch.no_grad():
         for name, p in drafter.named_parameters():
-            if name.endswith("norm.weight") or ".weight" in name and "fc_norm" in name:
+            if "norm" in name:
                 p.uniform_(0.5, 1.5)
     return drafter
 

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from train.config import ModelConfig
@@ -21,14 +20,11 @@ def target_config(prep_dir: Path) -> dict:
 
 def draft_vocab(prep_dir: Path, size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t, t2d) of the prep; `size` (model.draft_vocab_size): cut anew from the prep's ranking."""
-    from data_prep.vocab import VOCAB_FILE, draft_vocab_of_size
+    from data_prep.vocab import VOCAB_FILE, draft_vocab_of_size, load_draft_vocab
 
     path = Path(prep_dir) / VOCAB_FILE
-    if size is not None:
-        d2t, t2d = draft_vocab_of_size(path, size)
-        return d2t.long(), t2d.bool()
-    t = load_file(str(path))
-    return t["d2t"].long(), t["t2d"].bool()
+    d2t, t2d = load_draft_vocab(path) if size is None else draft_vocab_of_size(path, size)
+    return d2t.long(), t2d.bool()
 
 
 def drafter_config(cfg: ModelConfig, prep_dir: Path, tap_layers: list[int], max_len: int):

@@ -144,7 +144,6 @@ def unroll(drafter: nn.Module, batch: Batch, settings: TTTSettings, hidden: Tens
     return outs
 
 
-
 def output_head(drafter: nn.Module) -> tuple[nn.Module, Tensor] | None:
     """(norm, lm_head weight) if drafter.compute_logits(h) is lm_head(norm(h)) with a bias-free lm_head."""
     from models.eagle3 import Eagle3Drafter  # lazily, as new_ttt_cache
@@ -326,8 +325,7 @@ def eval_sums(
             t = _terms(drafter, head, batch, settings, hidden=None if step0 is None else step0(batch))
             start, owned = owned_span(batch)
             reachable = t["reachable"]
-            num, den = _chain_counts(reachable, t["correct"] & t["valid"], t["b_idx"], t["j_idx"],
-                                     (len(batch), owned))
+            num, den = _chain_counts(reachable, t["correct"], t["b_idx"], t["j_idx"], (len(batch), owned))
             out["ce_sum"] += t["ce"].double().cpu()
             out["acc_sum"] += t["acc"].cpu()
             out["min_pq_sum"] += t["min_pq"].cpu()
