@@ -25,6 +25,7 @@ before appending. Under torchrun give each rank its own slice and its own ``out_
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import time
@@ -201,6 +202,10 @@ class OpenAIBackend:
         extra_body: dict | None = None,
     ):
         import openai  # lazy: only this backend needs it
+
+        # one INFO line per request would bury the prep's progress bar and summary
+        for name in ("httpx", "httpx2", "openai"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
         # retries are ours (below), so the client's own are off
         self.client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s, max_retries=0)
