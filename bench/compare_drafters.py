@@ -6,8 +6,8 @@
 
 Suites (variants = Hydra overrides on top of `+exp=<suite's exp>`, which fixes data, steps and lr for all):
 - quality: the EAGLE-3 paper's ablation: EAGLE-1 (top-layer feature, feature regression + token CE), EAGLE-3
-  without training-time test (K = 1) and EAGLE-3 with K = 7, λ = 0.8 (method.md §2, §4);
-- dflash: DFlash (block diffusion, method.md §5) against EAGLE-3 K = 7;
+  without training-time test (K = 1) and EAGLE-3 with K = 7, λ = 0.8 (docs/method.md §2, §4);
+- dflash: DFlash (block diffusion, docs/method.md §5) against EAGLE-3 K = 7;
 - teacher: EAGLE-3 K = 7 trained on the exact teacher vs the compact ones (top-k logits, argmax labels);
 - scaling: one recipe on nested subsets of one large prep's training split (`--points`, data.train_samples),
   the budget scaled by the rule "the same number of epochs" (steps proportional to the data); adds

@@ -9,11 +9,11 @@ What runs: one *pass* = one `eval.run.run_eval` call (one speculative mode at on
 SAME first turns of the SAME MT-bench prompts with the same max new tokens and seeds. Inside a pass every
 prompt is decoded by each method back to back (speculative, plain, and in the first pass of a temperature
 also `model.generate` with and without prompt lookup), so machine noise hits them alike; every speedup is
-a ratio to the plain decoding of its own pass (method.md §6). Passes run temperature by temperature, tree
-then chain. Tree's verify budget m is picked once by timing the target (method.md §3: measure, then
+a ratio to the plain decoding of its own pass (docs/method.md §6). Passes run temperature by temperature, tree
+then chain. Tree's verify budget m is picked once by timing the target (docs/method.md §3: measure, then
 choose) in the first tree pass and reused by the later ones, so T=0 and T=1 verify the same tree size.
 
-Sampling (T=1) uses eval's defaults top_p=1, top_k=0 and the lossless rules of method.md §1. Prompt
+Sampling (T=1) uses eval's defaults top_p=1, top_k=0 and the lossless rules of docs/method.md §1. Prompt
 lookup at T=1 is transformers' assisted decoding with `do_sample=True`: its drafts carry no logits, so it
 samples one token per position from the warped target distribution and keeps the drafts while they equal
 the sampled token, which is the lossless rule for a point-mass draft (accept x with probability p(x), else

@@ -11,8 +11,8 @@ embedded target (SmolLM2-135M geometry: hidden 576, 9/3 heads, head_dim 64, inte
 49152, draft vocab 32000), random weights, synthetic bf16 taps and teacher hidden states (the full-vocab
 "hidden" teacher), K=7, 1 thread, bf16 (--precision). Each length runs in a FRESH subprocess (peak RSS
 belongs to that length alone): --warmup untimed steps, then --repeats timed steps; one JSON line per
-length, all of them in --out. With --specforge-python, /work/shared/bench/specforge_step.py (the peer's own
-step, see /work/shared/bench/README.md) runs for the same lengths with the same thread count, warmup and
+length, all of them in --out. With --specforge-python, ../shared/bench/specforge_step.py (the optional harness
+beside the checkout that runs the peer's own step) runs for the same lengths with the same thread count, warmup and
 repeats, and the ratios (ours / SpecForge) are printed. Both workers get the same environment, including
 MALLOC_MMAP_THRESHOLD_ (--mmap-threshold) so that peak RSS measures live tensors, not glibc's retention.
 """
@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SPECFORGE_STEP = Path("/work/shared/bench/specforge_step.py")
+# The optional side-by-side harness lives beside the checkout, never inside it (README, "Measured results").
+SPECFORGE_STEP = ROOT.parent / "shared" / "bench" / "specforge_step.py"
 GEOMETRIES: dict[str, dict] = {
     "embedded": dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                      intermediate_size=1536, vocab_size=49152, num_hidden_layers=30, draft_vocab_size=32000),

@@ -46,7 +46,7 @@ class TargetPreset:
 
 
 def default_tap_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's taps: after decoder layers 1, L//2 - 1 and L - 4 (0-based); method.md §4.1."""
+    """EAGLE-3's taps: after decoder layers 1, L//2 - 1 and L - 4 (0-based); docs/method.md §4.1."""
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 

@@ -1,7 +1,7 @@
 """The reduced draft vocabulary: the Vd most frequent target tokens of the replies, sorted by id.
 
 Engines map a draft id to a target id by an OFFSET table, target_id = draft_id + d2t[draft_id]
-(method.md §4.1); t2d marks which target ids the drafter can emit. Both ship with the drafter.
+(docs/method.md §4.1); t2d marks which target ids the drafter can emit. Both ship with the drafter.
 
 A token outside the draft vocabulary can never be drafted, so the count that ranks tokens should be as
 large as it is cheap: besides the loss-masked tokens of the (regenerated) training split, prep counts the

@@ -1,4 +1,4 @@
-"""Evaluation of drafters by real speculative decoding (method.md §1, §3, §4.2, §6).
+"""Evaluation of drafters by real speculative decoding (docs/method.md §1, §3, §4.2, §6).
 
     sampling.py     warp_logits / target_probs shared by plain and speculative decoding; the lossless
                     acceptance rules (accept min(1, p/q), residual norm(max(0, p - q)), multi-candidate)

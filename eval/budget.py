@@ -1,4 +1,4 @@
-"""Pick the verify budget m (tree total_tokens) by timing the target, as method.md §3 asks.
+"""Pick the verify budget m (tree total_tokens) by timing the target, as docs/method.md §3 asks.
 
 Speculation pays while verifying m + 1 tokens costs about one decode step. On a GPU that holds for
 dozens of tokens; on a CPU the m-token forward is a matrix-matrix product and grows much sooner.

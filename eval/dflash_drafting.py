@@ -1,4 +1,4 @@
-"""DFlash block drafting (method.md §5) as a SpeculativeDecoder strategy (eval/drafting.py).
+"""DFlash block drafting (docs/method.md §5) as a SpeculativeDecoder strategy (eval/drafting.py).
 
 Position convention: with N tokens committed in the target's KV cache and root = x_N (the target's last
 emitted token), the drafter's context cache holds the target features of positions 0..N-1, and ONE

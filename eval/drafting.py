@@ -6,7 +6,7 @@ DraftTree rooted at the last emitted token), `commit` (after a verify: the accep
 features). `make_strategy` picks EAGLE's (`EagleDrafting`, below) or DFlash's block drafting
 (eval/dflash_drafting.py) from the drafter.
 
-Position convention (method.md §4.2/§4.3): drafter position t holds (feature of x_t, embedding of
+Position convention (docs/method.md §4.2/§4.3): drafter position t holds (feature of x_t, embedding of
 x_{t+1}) and predicts x_{t+2}. With N tokens committed in the target's KV cache and root = x_N (the
 target's last emitted token), the drafter cache holds positions 0..N-1 and its output at N-1 gives the
 distribution of x_{N+1}, the depth-1 candidates. A node at depth d >= 1 is fed at drafter position
@@ -124,7 +124,7 @@ def draft_chain(
 def draft_tree(
     drafter, cache, root_out: Tensor, root_token: int, prefix_len: int, depth: int, topk: int, total_tokens: int
 ) -> DraftTree:
-    """EAGLE-2 dynamic tree (method.md §3) with `depth` levels, at most depth - 1 drafter forwards.
+    """EAGLE-2 dynamic tree (docs/method.md §3) with `depth` levels, at most depth - 1 drafter forwards.
 
     Per level: the top-k nodes of the current layer by value (sum of log-probs along the root path) are
     run through the drafter together, each attending to the prefix, its expanded ancestors and itself;

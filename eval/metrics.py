@@ -1,4 +1,4 @@
-"""The acceptance metrics of method.md §6, defined once.
+"""The acceptance metrics of docs/method.md §6, defined once.
 
 A verify forward that accepts a draft tokens emits a + 1 tokens (the bonus token counts). The prefill
 forward (which emits the first token without any draft) and the cut at max_new_tokens / EOS are not

@@ -82,7 +82,7 @@ def offline_report(
         **report,
         "steps": settings.steps,
         "teacher": getattr(getattr(shard_set, "manifest", None), "teacher", None),
-        "sim_tau_uses": "marginal acc_k (method.md §6); sim_tau_alpha uses alpha_k",
+        "sim_tau_uses": "marginal acc_k (docs/method.md §6); sim_tau_alpha uses alpha_k",
     }
     (out_dir / "offline_report.json").write_text(json.dumps(_json_safe(report), indent=1))
     plot_report(report, out_dir / "offline_report.png")

@@ -2,7 +2,7 @@
 
 Every generated turn is one "request" (τ per request, samples). Speedup = tokens/s of speculative
 decoding / tokens/s of plain decoding, same target, prompts, max_new_tokens, machine and run
-(method.md §6). The verify budget m (total_tokens) is reported next to it.
+(docs/method.md §6). The verify budget m (total_tokens) is reported next to it.
 """
 
 from __future__ import annotations

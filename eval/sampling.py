@@ -2,7 +2,7 @@
 
 Both decoders turn target logits into a distribution with the SAME `target_probs` (temperature, then
 top-k, then top-p, as HF's warpers do), so "speculative output is distributed like plain output" is a
-statement about the acceptance rule alone (method.md §1). Probabilities are float64: acceptance ratios
+statement about the acceptance rule alone (docs/method.md §1). Probabilities are float64: acceptance ratios
 and residuals of nearly equal distributions lose too much in float32.
 
 Rules (p = target distribution at a tree node, q = the distribution the candidate x was drawn from):

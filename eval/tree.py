@@ -1,4 +1,4 @@
-"""Draft trees as flat tensors: top-m selection, ancestor masks, position ids (method.md §3).
+"""Draft trees as flat tensors: top-m selection, ancestor masks, position ids (docs/method.md §3).
 
 Block layout, shared by the drafter's tree steps and the target's verify forward: index 0 is the root
 (the last token the target emitted, not yet in its KV cache), indices 1..m the drafted nodes with

@@ -1,6 +1,6 @@
 """The drafter's attention: one TTT interface with registered backends of identical semantics, and the caches.
 
-TTT semantics (method.md §4.3). `keys[0]`/`values[0]` are the step-0 keys/values (B, Hkv, T, D), `keys[j]`
+TTT semantics (docs/method.md §4.3). `keys[0]`/`values[0]` are the step-0 keys/values (B, Hkv, T, D), `keys[j]`
 for j >= 1 the "diagonal" keys of step j. The queries q (B, Hq, T, D) of the current step k = len(keys) - 1
 at position t attend to keys[0][..., :t+1, :] (causal) plus keys[1..k][..., t, :] (their own chain), nothing
 else. Memory must stay linear in T.

@@ -1,6 +1,6 @@
 """Eagle3Config: the drafter's geometry, built from the target's HF config and written as the engines' config.json.
 
-Layer-id conventions (method.md §4.1, §8) - the one place they are converted:
+Layer-id conventions (docs/method.md §4.1, §8) - the one place they are converted:
 - `aux_layer_ids` here are 0-based decoder layer ids: the tap is the hidden state AFTER layer i (the same ids
   as the shard manifest's `tap_layers`).
 - `eagle_config.eagle_aux_hidden_state_layer_ids` in config.json is in HF `output_hidden_states` indexing

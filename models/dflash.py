@@ -1,4 +1,4 @@
-"""The DFlash block-diffusion drafter (method.md §5); parameter names are the keys of z-lab's public
+"""The DFlash block-diffusion drafter (docs/method.md §5); parameter names are the keys of z-lab's public
 `DFlashDraftModel` export, which SGLang's DFLASH worker loads.
 
     c  = hidden_norm(fc(cat(taps)))                     # fused target features, one row per committed position

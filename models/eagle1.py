@@ -1,4 +1,4 @@
-"""The EAGLE-1 drafter (method.md §2): feature-level drafting from the target's top-layer feature.
+"""The EAGLE-1 drafter (docs/method.md §2): feature-level drafting from the target's top-layer feature.
 
     f_t = the target's top-layer feature AFTER its final norm (what its LM head reads)
     x = fc(cat(embed(x_{t+1}), f_t))                    # Linear(2H -> H) with bias; embeds FIRST (EAGLE's order)

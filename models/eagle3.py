@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter (method.md §4.1, §8): parameter names are the export keys SGLang/vLLM load.
+"""The EAGLE-3 drafter (docs/method.md §4.1, §8): parameter names are the export keys SGLang/vLLM load.
 
     g = fc(cat(taps))                                   # fuse the target's taps, step 0 only
                                                         # (fc_norm: each tap RMS-normed first)

@@ -1,6 +1,6 @@
 """Export = what serving engines load: config.json (LlamaForCausalLMEagle3) + model.safetensors.
 
-Written keys (method.md §4.1): fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d; never the
+Written keys (docs/method.md §4.1): fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d; never the
 embedding (engines share the target's). `load_export` also reads public EAGLE-3 drafters: `layers.0.*` instead
 of `midlayer.*`, an included embed_tokens.weight, pytorch_model.bin, t2d absent (derived from d2t), d2t absent
 when draft_vocab_size == vocab_size (identity). Like vLLM's loader, any other key is an error.

@@ -1,4 +1,4 @@
-"""EAGLE-1 (method.md §2): its feature tap, loss, lossless decoding, export round trip and a real run."""
+"""EAGLE-1 (docs/method.md §2): its feature tap, loss, lossless decoding, export round trip and a real run."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """TTT attention backends: every backend available here matches the reference (outputs and q/k/v gradients),
-and the reference itself matches a per-query brute force of method.md §4.3."""
+and the reference itself matches a per-query brute force of docs/method.md §4.3."""
 
 from __future__ import annotations
 

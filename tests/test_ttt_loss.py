@@ -56,7 +56,7 @@ def setup(kind: str, seed: int = 0):
 
 
 def dense_reference(kind, maps, head, rows, reachable, hiddens, drafter):
-    """The definitions of method.md §4.3 written densely over the full vocab, no chunking."""
+    """The definitions of docs/method.md §4.3 written densely over the full vocab, no chunking."""
     if kind == "hidden":
         p_full = head.logits(rows.hidden).softmax(-1)
         argmax = p_full.argmax(-1)

@@ -32,7 +32,7 @@ def make(seed: int = 0, lengths=(10, 6, 3), kind: str = "hidden"):
 
 
 def brute_force_valid(batch, head, maps, K):
-    """valid[k][b][t] straight from the definition in method.md §4.3 / the contract."""
+    """valid[k][b][t] straight from the definition in docs/method.md §4.3 / the contract."""
     if batch.teacher_kind == "hidden":
         argmax = head.logits(batch.teacher_hidden).argmax(-1)
     elif batch.teacher_kind == "topk":

@@ -1,4 +1,4 @@
-"""DFlash training (method.md §5): random anchors, one block per anchor, all blocks in one pass.
+"""DFlash training (docs/method.md §5): random anchors, one block per anchor, all blocks in one pass.
 
 For a sample x_0..x_{T-1} with fused target context rows c_t (the shards' taps, models/dflash.py):
 - an anchor a opens the block [x_a, MASK x (B-1)] at positions a..a+B-1; the block sees c_0..c_{a-1}
@@ -345,7 +345,7 @@ class DFlashObjective:
         """acc_k: marginal accuracy of block position k (1-based k = list index + 1) over its targets;
         alpha_k: P(position k correct | positions before it correct); sim_tau = 1 + the mean number of
         leading correct predictions per block = the greedy acceptance length of a block drafted from
-        the same context (the "+1" is the bonus token); sim_tau_marginal = method.md §6's formula on acc_k."""
+        the same context (the "+1" is the bonus token); sim_tau_marginal = docs/method.md §6's formula on acc_k."""
         n = sums["n_valid_k"].double()
         blocks = int(sums["alpha_den"][0])
         acc = (sums["acc_sum"] / n.where(n > 0, torch.nan)).tolist()

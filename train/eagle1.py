@@ -1,4 +1,4 @@
-"""EAGLE-1's objective (method.md §2): regress the next top-layer feature, plus w x the token CE through the
+"""EAGLE-1's objective (docs/method.md §2): regress the next top-layer feature, plus w x the token CE through the
 frozen target LM head. It reuses the TTT unroll and its row alignment (train/ttt.py) with the step-0 stream
 f_t = norm(teacher_hidden_t) instead of fused taps; train.ttt_steps = 1 is EAGLE-1 as published (more steps
 unroll the drafter on its own predicted features, training-time test on top of EAGLE-1).
@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from train.batch import Batch
 from train.ttt import TTTSettings, _terms, count_valid, eval_sums, summarize
 
-TOKEN_WEIGHT = 0.1  # w of method.md §2
+TOKEN_WEIGHT = 0.1  # w of docs/method.md §2
 
 
 def top_feature(head: nn.Module, batch: Batch) -> Tensor:

@@ -10,7 +10,7 @@ Two implementations of the same loss:
 - `chunked_terms`: plain autograd, each chunk activation-checkpointed (backward recomputes the
   chunk's teacher and draft logits); any `compute_logits`, and the reference for the fused path.
 
-Teacher kinds (method.md §4.3):
+Teacher kinds (docs/method.md §4.3):
 - "hidden": p_j = softmax(head.logits(teacher_hidden_j)) over the full vocab V. Its argmax decides
   validity (must be in the draft vocab); p̃ = softmax over the draft-vocab columns only; Σ min(p, q)
   uses the full-vocab p at the draft ids (q is 0 outside the draft vocab).

@@ -6,7 +6,7 @@ normaliser), then `loss` (differentiable scalar + additive metric sums), and for
 `eval_sums` (additive, all-reduced) then `summarize` (floats, must contain "sim_tau"). Metric sums are
 1-D tensors of length `positions` (TTT step k, or position k inside a DFlash block) keyed "<name>_sum",
 plus the denominator "n_valid_k"; the loop reports "<name>_k" = sum / n_valid_k. So a new drafter
-(method.md §2, §4, §5) is a new model file + a new objective, never a new train loop.
+(docs/method.md §2, §4, §5) is a new model file + a new objective, never a new train loop.
 
 Methods: "eagle3" (train/ttt.py, TTT unroll), "eagle1" (train/eagle1.py), "dflash" (train/dflash.py).
 """

@@ -1,6 +1,6 @@
 """Training-time test (TTT) for EAGLE-3 drafters: the K-step unroll, its loss and its evaluation.
 
-Alignment (method.md §4.3), for a sequence x_0..x_{T-1} with fused target features g_t:
+Alignment (docs/method.md §4.3), for a sequence x_0..x_{T-1} with fused target features g_t:
 - step 0: position t takes (g_t, e(x_{t+1})) and predicts p_{t+1};
 - step k >= 1: position t takes (a_t^{(k-1)}, e(x_{t+k+1})) and predicts p_{t+k+1};
 - RoPE position of (t, k) is t + k; attention via models.attention.TTTCache (step-0 causal prefix
@@ -269,7 +269,7 @@ def count_valid(
 
 
 def simulated_tau(acc: Sequence[float]) -> float:
-    """1 + Σ_{n=1..K} Π_{j<n} acc_j (method.md §6; the 1 is the bonus token)."""
+    """1 + Σ_{n=1..K} Π_{j<n} acc_j (docs/method.md §6; the 1 is the bonus token)."""
     tau, prod = 1.0, 1.0
     for a in acc:
         prod *= float(a)
@@ -352,7 +352,7 @@ def summarize(sums: dict) -> dict:
     acc_k: marginal teacher-forced accuracy of step k over ALL its target rows (`n_target_k`): a row whose
     target argmax lies outside the draft vocabulary counts as a miss. alpha_k: conditional per-position
     acceptance along each start position's chain (see `_chain_counts`), an out-of-vocabulary row ending
-    the chain. sim_tau uses the MARGINAL acc_k, as method.md §6 defines simulated τ; sim_tau_alpha is the
+    the chain. sim_tau uses the MARGINAL acc_k, as docs/method.md §6 defines simulated τ; sim_tau_alpha is the
     same formula on alpha_k (= 1 + Σ_n P(first n drafts all accepted), closer to what chain decoding at
     T=0 sees). oov_rate: the share of step-0 target rows outside the draft vocabulary. loss_k and
     min_pq_k are over the in-vocabulary rows (`n_valid_k`, the rows the loss trains), and
