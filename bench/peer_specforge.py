@@ -266,14 +266,14 @@ def make_optimizer(sf: types.SimpleNamespace, model: Any, cfg: RunConfig, total:
     t = cfg.train
     if kind == "bf16opt":
         opt = sf.BF16Optimizer(model, lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.clip,
-                               total_steps=total, warmup_ratio=t.warmup_steps / total, lr_scheduler="cosine")
+                               total_steps=total, warmup_ratio=t.warmup(total) / total, lr_scheduler="cosine")
         inner = opt.optimizer
     else:
         inner = opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.lr,
                                         weight_decay=t.weight_decay)
     for group in inner.param_groups:  # SpecForge's scheduler already moved lr; restart from the base lr
         group.update(lr=t.lr, initial_lr=t.lr, betas=tuple(t.betas), eps=t.eps)
-    schedule = partial(lr_lambda, warmup=t.warmup_steps, total=total, min_ratio=t.min_lr_ratio, kind=t.schedule,
+    schedule = partial(lr_lambda, warmup=t.warmup(total), total=total, min_ratio=t.min_lr_ratio, kind=t.schedule,
                        decay_ratio=t.decay_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(inner, schedule)
     if kind == "bf16opt":

@@ -5,6 +5,7 @@ batch split / padding / position, tap selection from a superset, the default MAS
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -194,8 +195,12 @@ def test_config_composes_and_validates() -> None:
         cfg = make("+exp=dflash").validate(2)
         assert (cfg.model.method, cfg.model.num_layers, cfg.model.block_size) == ("dflash", 5, 16)
         assert cfg.data.batch_size == 8 and cfg.train.epochs == 4  # its own demo-sized budget
+        # DFlash's own recipe, not EAGLE-3's (issue: DFlash that learns)
+        t = cfg.train
+        assert (t.lr, t.warmup_ratio, t.clip, t.betas, cfg.model.norm_init) == (6e-4, 0.04, 1.0, [0.9, 0.999],
+                                                                                  "target")
         obj = __import__("train.objective", fromlist=["make_objective"]).make_objective(cfg)
-        assert isinstance(obj, DFlashObjective) and obj.positions == 15 and obj.settings.anchors == 32
+        assert isinstance(obj, DFlashObjective) and obj.positions == 15 and obj.settings.anchors == 512
         for bad in ("model.block_size=1", "model.mask_token_id=-1", "model.tap_layers=[3,3]", "train.dflash_gamma=0"):
             with pytest.raises(ConfigError):
                 make("model=dflash", bad).validate(1)
@@ -214,6 +219,12 @@ def test_build_drafter_takes_its_taps_from_the_shards(tmp_path) -> None:
     from train.synthetic import TAP_LAYERS, write_synthetic_prep
 
     prep = write_synthetic_prep(tmp_path / "prep", n_train=4, n_eval=2)  # an EAGLE-3 prep: taps [1, 3, 4] of 8
+    from safetensors.torch import load_file, save_file
+
+    head_file = str(prep / "target_head.safetensors")
+    tensors = load_file(head_file)
+    tensors["norm.weight"] = torch.linspace(0.5, 2.0, tensors["norm.weight"].numel())  # a norm that is not 1
+    save_file(tensors, head_file)
     register_configs()
     conf = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "conf")
     with initialize_config_dir(conf, version_base="1.3"):
@@ -227,9 +238,43 @@ def test_build_drafter_takes_its_taps_from_the_shards(tmp_path) -> None:
         assert d.tap_layers == [4, 1] and obj.columns == [2, 0] and d.fc.in_features == 2 * d.cfg.hidden_size
         assert not d.embed_tokens.weight.requires_grad and not d.lm_head.weight.requires_grad
         assert torch.equal(d.lm_head.weight, load_head(prep).lm_head.weight.float())
+        assert torch.equal(d.norm.weight, torch.ones_like(d.norm.weight))  # model.norm_init=ones (default)
+        _, d = build("model.tap_layers=[4,1]", "model.norm_init=target")
+        assert torch.equal(d.norm.weight, load_head(prep).norm.weight.float()) and d.norm.weight.requires_grad
         with pytest.warns(UserWarning, match="prep-taps"):  # default [1, 2, 3, 4, 5] not in the shards
             obj, d = build()
         assert default_target_layer_ids(8) == [1, 2, 3, 4, 5] and d.tap_layers == TAP_LAYERS
         assert d.mask_token_id == 7 and len(d.layers) == 5 and d.block_size == 16
         with pytest.raises(ValueError, match="prep-taps"):
             build("model.tap_layers=[1,2]")
+
+
+def test_offline_report_covers_dflash_with_every_familys_fields(tmp_path) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from data_prep.shards import ShardSet
+    from train.batch import collate
+    from train.build import load_head
+    from train.config import RunConfig, register_configs
+    from train.offline import offline_report
+    from train.synthetic import TAP_LAYERS, write_synthetic_prep
+
+    prep = write_synthetic_prep(tmp_path / "prep", n_train=2, n_eval=3)
+    register_configs()
+    conf = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "conf")
+    with initialize_config_dir(conf, version_base="1.3"):
+        cfg = RunConfig.from_omegaconf(compose("train", overrides=[
+            f"data.dir={prep}", "out_dir=/y", "model=dflash", "model.mask_token_id=7", "model.tap_layers=[4,1]",
+            f"model.block_size={BS}", "model.num_layers=2"]))
+    obj = DFlashObjective.from_config(cfg.validate(1))
+    head = load_head(prep)
+    torch.manual_seed(0)
+    drafter = obj.build_drafter(prep, TAP_LAYERS, head)
+    ds = ShardSet(prep / "eval")
+    rep = offline_report(obj, drafter, head, ds, tmp_path / "report", batch_size=2)
+    saved = json.loads((tmp_path / "report" / "offline_report.json").read_text())
+    direct = obj.summarize(obj.eval_sums(drafter, head, [collate([ds[i] for i in range(len(ds))])]))
+    assert saved["method"] == "dflash" and saved["positions"] == BS - 1 and saved["oov_rate"] == 0.0
+    assert saved["num_positions"] == saved["n_target_k"][0] == direct["n_valid_k"][0] > 0
+    assert saved["acc_k"] == pytest.approx(direct["acc_k"], nan_ok=True) and rep["sim_tau"] >= 1.0
+    assert (tmp_path / "report" / "offline_report.png").stat().st_size > 5000

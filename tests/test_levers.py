@@ -49,6 +49,19 @@ def test_wsd_schedule_is_flat_then_decays_linearly_to_the_floor() -> None:
     assert lrs[-1] == pytest.approx(0.1)
 
 
+def test_warmup_ratio_is_a_fraction_of_the_run() -> None:
+    from train.config import ConfigError, RunConfig
+
+    t = RunConfig().train
+    assert t.warmup(200) == t.warmup_steps  # unset: the fixed number of steps
+    t.warmup_ratio = 0.04
+    assert (t.warmup(200), t.warmup(84), t.warmup(10)) == (8, 3, 1)  # never 0 steps of warmup
+    cfg = RunConfig()
+    cfg.data.dir, cfg.train.warmup_ratio = "/x", 1.0
+    with pytest.raises(ConfigError, match="warmup_ratio"):
+        cfg.validate(1)
+
+
 def test_output_head_from_the_target() -> None:
     drafter = tiny()
     head = TargetHead(H, V, 1e-6)

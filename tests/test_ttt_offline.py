@@ -1,4 +1,4 @@
-"""eval/offline.py: report JSON + PNG from a real (tiny) shard set, with an oracle drafter."""
+"""train/offline.py: report JSON + PNG from a real (tiny) shard set, with an oracle drafter."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from test_ttt_stubs import OracleDrafter, StubHead, vocab
 
 import train.ttt as ttt
 from data_prep.shards import Sample, ShardSet, ShardSpec, ShardWriter, merge_manifests
-from eval.offline import offline_report
 from train.loss import VocabMaps
-from train.ttt import TTTSettings
+from train.offline import offline_report
+from train.ttt import Eagle3Objective, TTTSettings
 
 V, VD, K = 32, 16, 3
 
@@ -43,7 +43,7 @@ def test_offline_report_oracle(tmp_path, monkeypatch):
 
     out = tmp_path / "report"
     drafter = OracleDrafter(V, d2t, t2d, succ)
-    rep = offline_report(drafter, StubHead(V, V), ds, TTTSettings(steps=K), out, batch_size=2, max_samples=4)
+    rep = offline_report(Eagle3Objective(TTTSettings(steps=K)), drafter, StubHead(V, V), ds, out, batch_size=2, max_samples=4)
     saved = json.loads((out / "offline_report.json").read_text())
     # valid step-0 targets: j = t+1 with j+1 < T and loss_mask[j+1] -> j in [1, T-2] (mask starts at 2)
     want_pos = sum(T - 2 for T in lengths[:4])

@@ -8,12 +8,12 @@ import torch
 from safetensors.torch import load_file
 
 from data_prep.shards import ShardSet
-from eval.offline import offline_report
 from models.eagle3 import Eagle3Config, Eagle3Drafter
 from models.target_head import TargetHead
 from train.batch import collate
 from train.loss import VocabMaps
-from train.ttt import TTTSettings, count_valid, ttt_loss
+from train.offline import offline_report
+from train.ttt import Eagle3Objective, TTTSettings, count_valid, ttt_loss
 
 
 def load(prep):
@@ -74,7 +74,7 @@ def test_loss_on_real_shards_counts_and_trains(tiny_prep_dir):
 def test_offline_report_on_real_eval_split(tiny_prep_dir, tmp_path):
     drafter, head, _ = load(tiny_prep_dir)
     ds = ShardSet(tiny_prep_dir / "eval")
-    rep = offline_report(drafter, head, ds, TTTSettings(steps=3), tmp_path, batch_size=2)
+    rep = offline_report(Eagle3Objective(TTTSettings(steps=3)), drafter, head, ds, tmp_path, batch_size=2)
     saved = json.loads((tmp_path / "offline_report.json").read_text())
     assert saved["num_samples"] == len(ds) and saved["teacher"] == "hidden"
     # every target row counts (honest metric); those outside the draft vocab are the OOV share

@@ -49,7 +49,7 @@ class ModelConfig:
     draft_vocab_size: int | None = None
     lm_head_init: str = "random"  # random | target: the target LM head's rows at the draft ids
     freeze_lm_head: bool = False  # with lm_head_init=target: those rows stay the target's (not trained)
-    norm_init: str = "ones"  # ones | target: the final norm starts as the target's final norm
+    norm_init: str = "ones"  # ones | target: the final norm starts as the target's final norm (EAGLE-3, DFlash)
     fc_norm: bool = False  # "EAGLE-3.1": an RMSNorm on each tap before fc (vLLM's fc_norm)
     norm_output: bool = False  # "EAGLE-3.1": the next draft step takes norm(h), not h (vLLM's norm_output)
     # Target layers the drafter reads, in concat order; they must be in the shards (a prep may carry more:
@@ -60,6 +60,7 @@ class ModelConfig:
 
 EAGLE3_LEVERS = {k: getattr(ModelConfig, k) for k in
                  ("draft_vocab_size", "lm_head_init", "freeze_lm_head", "norm_init", "fc_norm", "norm_output")}
+DFLASH_LEVERS = ("norm_init",)  # the EAGLE-3 levers that DFlash (same final norm before a target head) takes too
 
 
 @dataclass
@@ -94,6 +95,9 @@ class TrainConfig:
     lr: float = 1e-4
     min_lr_ratio: float = 0.0  # the schedule's floor as a fraction of lr
     warmup_steps: int = 50  # linear warmup (optimizer steps)
+    # When set, the warmup is this fraction of the run's optimizer steps instead (warmup_steps ignored): a
+    # recipe that keeps its shape whatever the data size.
+    warmup_ratio: float | None = None
     # cosine: warmup, then cosine to min_lr_ratio * lr at the last step. wsd (warmup-stable-decay): warmup,
     # constant lr, then a linear decay to min_lr_ratio * lr over the last decay_ratio of the steps.
     schedule: str = "cosine"
@@ -126,6 +130,12 @@ class TrainConfig:
     dflash_anchors: int = 512
     dflash_gamma: float = 7.0
     export: bool = True  # write <run_dir>/export/ at the end
+
+    def warmup(self, total_steps: int) -> int:
+        """Warmup length in optimizer steps for a run of `total_steps`."""
+        if self.warmup_ratio is None:
+            return self.warmup_steps
+        return max(1, round(self.warmup_ratio * total_steps))
 
 
 @dataclass
@@ -200,7 +210,8 @@ class RunConfig:
         if t.feature_noise < 0:
             raise ConfigError(f"train.feature_noise must be >= 0, got {t.feature_noise}")
         if m.method != "eagle3":
-            changed = [k for k, default in EAGLE3_LEVERS.items() if getattr(m, k) != default]
+            also = DFLASH_LEVERS if m.method == "dflash" else ()
+            changed = [k for k, default in EAGLE3_LEVERS.items() if getattr(m, k) != default and k not in also]
             if changed:
                 raise ConfigError(f"model.{', model.'.join(changed)}: EAGLE-3 options, not for model.method="
                                   f"{m.method}")
@@ -235,6 +246,8 @@ class RunConfig:
         ]:
             if value < 0:
                 raise ConfigError(f"{key} must be >= 0, got {value}")
+        if t.warmup_ratio is not None and not 0 <= t.warmup_ratio < 1:
+            raise ConfigError(f"train.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
         for key, value in [("train.max_steps", t.max_steps), ("train.stop_after_steps", t.stop_after_steps),
                            ("train.eval_ttt_steps", t.eval_ttt_steps)]:
             if value is not None and value < 1:

@@ -291,6 +291,11 @@ class DFlashObjective:
                                                                         dcfg.max_position_embeddings)
         drafter = DFlashDrafter(dcfg)
         drafter.load_target_weights(head.embed_tokens_weight, head.lm_head.weight)
+        if m.norm_init == "target":
+            # the frozen LM head was trained behind the target's norm (SmolLM2's weights average ~1.8):
+            # a norm of ones would start the logits that much too cold
+            with torch.no_grad():
+                drafter.norm.weight.copy_(head.norm.weight)
         drafter.checkpoint_layers = self.cfg.train.checkpoint_layer
         return drafter
 
@@ -357,6 +362,11 @@ class DFlashObjective:
             "sim_tau_marginal": simulated_tau(acc),
             "loss_k": (sums["ce_sum"] / n.where(n > 0, torch.nan)).tolist(),
             "n_valid_k": sums["n_valid_k"].tolist(),
+            # the honest fields of every family: DFlash drafts over the whole vocabulary, so every target
+            # row is one it could propose
+            "n_target_k": sums["n_valid_k"].tolist(),
+            "oov_rate": 0.0,
+            "num_positions": int(sums["n_valid_k"][0]),
             "num_samples": int(sums["num_samples"]),
             "num_blocks": blocks,
             "block_size": self.settings.block_size,

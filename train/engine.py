@@ -201,7 +201,7 @@ class Engine:
         optimizer = torch.optim.AdamW(
             params, lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay
         )
-        schedule = _Schedule(t.warmup_steps, self.total_steps, t.min_lr_ratio, t.schedule, t.decay_ratio)
+        schedule = _Schedule(t.warmup(self.total_steps), self.total_steps, t.min_lr_ratio, t.schedule, t.decay_ratio)
         # bf16 casts the whole module, buffers included; derived fp32 buffers (RoPE inv_freq) must stay fp32.
         float_buffers = {n: b.detach().clone() for n, b in model.named_buffers() if b.is_floating_point()}
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(

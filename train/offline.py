@@ -1,8 +1,10 @@
-"""Offline (teacher-forced) evaluation of a drafter on a held-out shard set.
+"""Offline (teacher-forced) evaluation of a drafter of any family on a held-out shard set.
 
-Runs `train.ttt.evaluate` (the same function the in-training eval uses) and writes
-`offline_report.json` (acc_k, alpha_k, sim_tau, loss_k, ... ; NaN written as null) and
-`offline_report.png` (per-step marginal accuracy and conditional acceptance).
+Runs the family objective's `eval_sums` + `summarize` (what the in-training eval runs) and writes
+`offline_report.json` (acc_k, alpha_k, sim_tau, oov_rate, n_target_k, num_positions, ...; NaN written as
+null) and `offline_report.png` (per-position marginal accuracy and conditional acceptance). Every family
+reports the same fields under the same honest rule: every target counts, one the drafter cannot emit is a
+miss (DFlash drafts over the whole vocabulary, so its oov_rate is 0).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from train.batch import Batch, collate
-from train.ttt import TTTSettings, evaluate
+from train.objective import Objective
 
 
 def _batches(shard_set: Any, indices: Sequence[int], batch_size: int) -> Iterator[Batch]:
@@ -53,7 +55,7 @@ def plot_report(report: dict, path: Path) -> None:
     ax.bar([x - width / 2 for x in xs], clean[0], width, label="acc_k (marginal, teacher-forced)")
     ax.bar([x + width / 2 for x in xs], clean[1], width, label="alpha_k (conditional acceptance)")
     ax.set_xticks(xs)
-    ax.set_xlabel("TTT step k (draft depth)")
+    ax.set_xlabel("draft position k (0 = the first drafted token)")
     ax.set_ylim(0, 1.25)
     ax.set_title(
         f"offline eval: sim τ = {report['sim_tau']:.3f} (incl. bonus), {report['num_positions']} positions"
@@ -65,10 +67,10 @@ def plot_report(report: dict, path: Path) -> None:
 
 
 def offline_report(
+    objective: Objective,
     drafter: nn.Module,
     head: nn.Module,
     shard_set: Any,
-    settings: TTTSettings,
     out_dir: str | Path,
     batch_size: int,
     max_samples: int | None = None,
@@ -77,12 +79,12 @@ def offline_report(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     n = len(shard_set) if max_samples is None else min(len(shard_set), max_samples)
-    report = evaluate(drafter, head, _batches(shard_set, range(n), batch_size), settings)
+    report = objective.summarize(objective.eval_sums(drafter, head, _batches(shard_set, range(n), batch_size)))
     report = {
         **report,
-        "steps": settings.steps,
+        "method": objective.method,
+        "positions": objective.positions,
         "teacher": getattr(getattr(shard_set, "manifest", None), "teacher", None),
-        "sim_tau_uses": "marginal acc_k (docs/method.md §6); sim_tau_alpha uses alpha_k",
     }
     (out_dir / "offline_report.json").write_text(json.dumps(_json_safe(report), indent=1))
     plot_report(report, out_dir / "offline_report.png")
