@@ -49,14 +49,10 @@ class DraftingStrategy(Protocol):
 
 
 def make_strategy(drafter, settings) -> DraftingStrategy:
-    """DFlash's block drafting for a DFlashDrafter, EAGLE's chain / tree drafting otherwise."""
-    from models.dflash import DFlashDrafter
+    """The drafting strategy the family table names for this drafter's family."""
+    from models.registry import family_of_drafter
 
-    if isinstance(drafter, DFlashDrafter):
-        from eval.dflash_drafting import DFlashDrafting
-
-        return DFlashDrafting(drafter, settings)
-    return EagleDrafting(drafter, settings)
+    return family_of_drafter(drafter).drafting_cls(drafter, settings)
 
 
 def _log_probs(drafter, h: Tensor) -> Tensor:

@@ -100,14 +100,15 @@ def load_export(
     eagle_aux_hidden_state_layer_ids. Other target_weights (the target's LM head) are not used by EAGLE-3."""
     if embed_weight is None and target_weights is not None:
         embed_weight = target_weights.get(EMBED_KEY)
-    from models.registry import DRAFTERS
+    from models.registry import family_of_export
 
     d = Path(export_dir)
     raw = json.loads((d / CONFIG_FILE).read_text())
     cfg = Eagle3Config.from_hf_dict(raw, target_num_layers=target_num_layers)
-    cls = DRAFTERS[raw["architectures"][0]]
+    if family_of_export(raw).method != "eagle3":
+        raise ValueError(f"{d / CONFIG_FILE}: architectures {raw.get('architectures')} is not an EAGLE-3 export")
     tensors = normalize_keys(read_weights(d), cfg)
-    drafter = cls(cfg, attn_backend=attn_backend).to(dtype)
+    drafter = Eagle3Drafter(cfg, attn_backend=attn_backend).to(dtype)
     stored_embed = tensors.pop(EMBED_KEY, None)
     state = drafter.state_dict()
     for key, value in tensors.items():

@@ -1,7 +1,9 @@
-"""Drafter families: which model file implements a method, how its export is recognised and loaded.
+"""Drafter families: the one table that names, per method, its model file, config, export layout, training
+objective and drafting strategy. Nothing else dispatches on the family.
 
-SpecForge's registry idea: a new drafter is a new model file (config + module + save/load of its export)
-plus an entry here. Families are imported lazily so that reading this table costs nothing.
+SpecForge's registry idea: a new drafter is a new model file (config + module + save/load of its export),
+an objective and a drafting strategy, plus an entry here. Everything is named as "module:attribute" and
+imported lazily, so reading this table costs nothing and models/ imports nothing of train/ or eval/.
 
 Every family's module provides: a config dataclass, a drafter nn.Module with `cfg`, `save_export(drafter,
 out_dir)` and `load_export(export_dir, target_weights=..., ...)`. `frozen_keys` are the target's own
@@ -29,9 +31,23 @@ class DrafterFamily:
     export_module: str  # where save_export / load_export live
     architectures: tuple[str, ...]  # config.json architectures[0] values of its exports
     frozen_keys: tuple[str, ...]
+    objective: str  # "train.ttt:Eagle3Objective": what the train loop asks of the method (train/objective.py)
+    drafting: str  # "eval.drafting:EagleDrafting": how the decoder drafts with it (eval/drafting.py)
 
     def _load(self, name: str) -> ModuleType:
         return importlib.import_module(name)
+
+    def _attribute(self, ref: str) -> type:
+        module, _, name = ref.partition(":")
+        return getattr(self._load(module), name)
+
+    @property
+    def objective_cls(self) -> type:
+        return self._attribute(self.objective)
+
+    @property
+    def drafting_cls(self) -> type:
+        return self._attribute(self.drafting)
 
     @property
     def config_cls(self) -> type:
@@ -68,16 +84,20 @@ FAMILIES: dict[str, DrafterFamily] = {
     "eagle3": DrafterFamily(
         "eagle3", "models.eagle3", "Eagle3Config", "Eagle3Drafter", "models.export",
         tuple(ARCHITECTURE_ALIASES), ("embed_tokens.weight",),
+        "train.ttt:Eagle3Objective", "eval.drafting:EagleDrafting",
     ),
     "eagle1": DrafterFamily(
         "eagle1", "models.eagle1", "Eagle1Config", "Eagle1Drafter", "models.eagle1",
         ("LlamaForCausalLM", "EagleLlamaForCausalLM"), ("embed_tokens.weight", "lm_head.weight"),
+        "train.eagle1:Eagle1Objective", "eval.drafting:EagleDrafting",
     ),
     "dflash": DrafterFamily(
         "dflash", "models.dflash", "DFlashConfig", "DFlashDrafter", "models.dflash",
         ("DFlashDraftModel",), ("embed_tokens.weight", "lm_head.weight"),
+        "train.dflash:DFlashObjective", "eval.dflash_drafting:DFlashDrafting",
     ),
 }
+METHODS = tuple(FAMILIES)
 
 
 def family(method: str) -> DrafterFamily:
@@ -96,10 +116,9 @@ def family_of_export(config: dict) -> DrafterFamily:
     raise ValueError(f"config.json architectures[0] = {arch!r} is not a known drafter export ({known})")
 
 
-def _eagle3_classes() -> dict[str, type[nn.Module]]:
-    from models.eagle3 import Eagle3Drafter
-
-    return {name: Eagle3Drafter for name in ARCHITECTURE_ALIASES}
-
-
-DRAFTERS: dict[str, type[nn.Module]] = _eagle3_classes()  # EAGLE-3 export architectures -> class
+def family_of_drafter(drafter: nn.Module) -> DrafterFamily:
+    """The family whose drafter class `drafter` is."""
+    for fam in FAMILIES.values():
+        if isinstance(drafter, fam.drafter_cls):
+            return fam
+    raise TypeError(f"{type(drafter).__name__} is not the drafter class of any family ({list(FAMILIES)})")

@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from models.config import Eagle3Config
 from models.eagle3 import Eagle3Drafter
 from models.export import export_keys, load_export, save_export
-from models.registry import DRAFTERS
+from models.registry import family_of_export
 from models.target_head import TargetHead
 
 torch.set_num_threads(1)
@@ -226,7 +226,7 @@ def test_full_vocab_drafter_without_d2t_loads_as_identity(tmp_path):
     with pytest.warns(UserWarning, match="embed_tokens stays random"):
         back = load_export(tmp_path)
     assert torch.equal(back.draft_to_target(torch.arange(97)), torch.arange(97)) and bool(back.t2d.all())
-    assert DRAFTERS["LlamaForCausalLMEagle3"] is Eagle3Drafter
+    assert family_of_export({"architectures": ["LlamaForCausalLMEagle3"]}).drafter_cls is Eagle3Drafter
 
 
 # ------------------------------------------------------------------------------------------ target head
@@ -276,3 +276,29 @@ def test_models_import_no_distributed_or_pipeline_code():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             for name in names:
                 assert not any(name == b or name.startswith(b + ".") for b in BANNED), f"{f.name} imports {name}"
+
+
+# ------------------------------------------------------------------------------------------ family table
+def test_the_family_table_names_every_piece_of_each_family():
+    """One table (models/registry.py) gives each method its drafter, objective and drafting strategy; the
+    train loop's objective and the decoder's strategy come from it and nowhere else."""
+    from eval.dflash_drafting import DFlashDrafting
+    from eval.drafting import EagleDrafting, make_strategy
+    from models.registry import FAMILIES, METHODS, family_of_drafter
+    from train.dflash import DFlashObjective
+    from train.eagle1 import Eagle1Objective
+    from train.ttt import Eagle3Objective
+
+    assert METHODS == ("eagle3", "eagle1", "dflash")
+    want = {"eagle3": (Eagle3Objective, EagleDrafting), "eagle1": (Eagle1Objective, EagleDrafting),
+            "dflash": (DFlashObjective, DFlashDrafting)}
+    for method, fam in FAMILIES.items():
+        assert (fam.objective_cls, fam.drafting_cls) == want[method]
+        assert fam.objective_cls.method == method
+    d = make_drafter()
+    assert family_of_drafter(d).method == "eagle3"
+    from eval.spec_decode import SpecSettings
+
+    assert isinstance(make_strategy(d, SpecSettings()), EagleDrafting)
+    with pytest.raises(TypeError, match="not the drafter class"):
+        family_of_drafter(torch.nn.Linear(2, 2))

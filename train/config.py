@@ -195,7 +195,7 @@ class RunConfig:
         """Raise ConfigError for values that would fail (or silently misbehave) later. Returns self."""
         m, d, t, ds, lg = self.model, self.data, self.train, self.deepspeed, self.logger
         from models.attention import ATTENTION  # the registry decides which backend names exist
-        from train.objective import METHODS
+        from models.registry import METHODS
 
         _one_of("model.method", m.method, METHODS)
         _one_of("model.attn_backend", m.attn_backend, ("auto", *sorted(ATTENTION)))

@@ -8,7 +8,8 @@ normaliser), then `loss` (differentiable scalar + additive metric sums), and for
 plus the denominator "n_valid_k"; the loop reports "<name>_k" = sum / n_valid_k. So a new drafter
 (docs/method.md §2, §4, §5) is a new model file + a new objective, never a new train loop.
 
-Methods: "eagle3" (train/ttt.py, TTT unroll), "eagle1" (train/eagle1.py), "dflash" (train/dflash.py).
+Which objective a method uses is the family table's (models/registry.py); "eagle3" is train/ttt.py's TTT
+unroll, "eagle1" train/eagle1.py, "dflash" train/dflash.py.
 """
 
 from __future__ import annotations
@@ -58,22 +59,8 @@ class Objective(Protocol):
         ...
 
 
-METHODS = ("eagle3", "eagle1", "dflash")
-
-
 def make_objective(cfg: RunConfig) -> Objective:
-    """The objective of `cfg.model.method`, configured from the run config."""
-    method = cfg.model.method
-    if method == "eagle3":
-        from train.ttt import Eagle3Objective
+    """The objective of `cfg.model.method` (the family table's), configured from the run config."""
+    from models.registry import family
 
-        return Eagle3Objective.from_config(cfg)
-    if method == "eagle1":
-        from train.eagle1 import Eagle1Objective
-
-        return Eagle1Objective.from_config(cfg)
-    if method == "dflash":
-        from train.dflash import DFlashObjective
-
-        return DFlashObjective.from_config(cfg)
-    raise ValueError(f"model.method={method!r} is not one of {list(METHODS)}")
+    return family(cfg.model.method).objective_cls.from_config(cfg)
