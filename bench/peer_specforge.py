@@ -516,7 +516,7 @@ def evaluate_export(export_dir: Path, cfg: RunConfig, prep: Path, head: Any) -> 
     _, columns = tap_choice(cfg, prep, eval_data.manifest.tap_layers)
     drafter = load_export(export_dir, embed_weight=head.embed_tokens.weight, dtype=torch.float32,
                           attn_backend=cfg.model.attn_backend)
-    settings = TTTSettings(steps=t.eval_ttt_steps or t.ttt_steps, decay=t.loss_decay, chunk_size=t.chunk_size)
+    settings = TTTSettings.from_train(t, held_out=True)
     batches = (b.select_taps(columns, n_src).to("cpu", torch.float32) for b in eval_data.epoch(0, shuffle=False))
     return evaluate(drafter, head, batches, settings)
 

@@ -61,7 +61,12 @@ _UNSUPPORTED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selecto
 Attend = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
-def default_target_layer_ids(num_target_layers: int, n_taps: int = 5) -> list[int]:
+# The public DFlash drafters' shape (z-lab): the defaults of every config and setting that names them.
+DEFAULT_NUM_LAYERS = 5
+DEFAULT_BLOCK_SIZE = 16
+
+
+def default_target_layer_ids(num_target_layers: int, n_taps: int = DEFAULT_NUM_LAYERS) -> list[int]:
     """`n_taps` target layers evenly spaced between layer 1 and L - 3 (0-based, output after the layer),
     rounded as z-lab's and SGLang's build_target_layer_ids round (Python's round: ties to even), so the
     engines derive the same ids when an export omits them. One tap: the middle layer."""
@@ -82,8 +87,8 @@ class DFlashConfig:
     vocab_size: int  # the target's V: the drafter predicts over the full vocabulary
     target_layer_ids: list[int]  # 0-based target layers tapped, in concat order (fc input = n * hidden_size)
     mask_token_id: int  # a reserved target token id filling the B - 1 positions to predict
-    num_hidden_layers: int = 5
-    block_size: int = 16  # B: [last accepted token, MASK x (B - 1)]
+    num_hidden_layers: int = DEFAULT_NUM_LAYERS
+    block_size: int = DEFAULT_BLOCK_SIZE  # B: [last accepted token, MASK x (B - 1)]
     head_dim: int | None = None  # None -> hidden_size // num_attention_heads
     num_target_layers: int | None = None  # the target's L (engines derive default taps from it)
     rms_norm_eps: float = 1e-6
@@ -131,7 +136,7 @@ class DFlashConfig:
     @classmethod
     def from_target_config(
         cls, hf_config: dict[str, Any], mask_token_id: int, target_layer_ids: Sequence[int] | None = None,
-        num_hidden_layers: int = 5, block_size: int = 16, **overrides: Any,
+        num_hidden_layers: int = DEFAULT_NUM_LAYERS, block_size: int = DEFAULT_BLOCK_SIZE, **overrides: Any,
     ) -> DFlashConfig:
         """Geometry = the target's (layers as wide as its own); taps default to `default_target_layer_ids`
         with one tap per drafter layer, as the public drafters have; `overrides` replace any field."""
@@ -212,7 +217,7 @@ class DFlashConfig:
             target_layer_ids=[int(i) for i in ids],
             mask_token_id=int(mask),
             num_hidden_layers=layers,
-            block_size=int(dflash.get("block_size") or d.get("block_size") or 16),
+            block_size=int(dflash.get("block_size") or d.get("block_size") or DEFAULT_BLOCK_SIZE),
             head_dim=d.get("head_dim") or None,
             num_target_layers=int(num_target) if num_target is not None else None,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),

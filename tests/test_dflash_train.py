@@ -193,7 +193,7 @@ def test_config_composes_and_validates() -> None:
             return RunConfig.from_omegaconf(compose("train", overrides=["data.dir=/x", "out_dir=/y", *overrides]))
 
         cfg = make("+exp=dflash").validate(2)
-        assert (cfg.model.method, cfg.model.num_layers, cfg.model.block_size) == ("dflash", 5, 16)
+        assert cfg.model.method == "dflash"
         assert cfg.data.batch_size == 8 and cfg.train.epochs == 4  # its own demo-sized budget
         # DFlash's own recipe, not EAGLE-3's (issue: DFlash that learns)
         t = cfg.train

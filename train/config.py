@@ -39,8 +39,8 @@ class ModelConfig:
     # max_position_embeddings written into the export; None = max(data.max_len, target's).
     max_position_embeddings: int | None = None
     # DFlash (model.method=dflash, models/dflash.py); None = the method's default. Other methods ignore them.
-    num_layers: int | None = None  # drafter decoder layers; None = 5
-    block_size: int | None = None  # B = [last accepted token, MASK x (B - 1)]; None = 16
+    num_layers: int | None = None  # drafter decoder layers; None = models.dflash.DEFAULT_NUM_LAYERS
+    block_size: int | None = None  # B = [last accepted token, MASK x (B - 1)]; None = models.dflash.DEFAULT_BLOCK_SIZE
     # A reserved target token id for MASK; None = "<|MASK|>" if the tokenizer has it, else the first
     # embedding row past the tokenizer, else its last special token the chat template does not use.
     mask_token_id: int | None = None

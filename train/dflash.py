@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from models.dflash import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS
 from train.batch import Batch, tap_columns
 from train.loss import TeacherRows, VocabMaps, fused_terms
 from train.ttt import simulated_tau
@@ -56,7 +57,7 @@ MASK_TOKEN = "<|MASK|>"  # the name SGLang's DFLASH worker looks up when a confi
 
 @dataclass
 class DFlashSettings:
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     anchors: int = 512  # blocks per sequence, capped by its candidates
     gamma: float = 7.0  # w_k = exp(-(k - 1) / gamma)
     chunk_size: int = 2048  # block rows per LM-head chunk
@@ -226,7 +227,7 @@ def default_mask_token_id(tokenizer, vocab_size: int) -> int:
     return max(unused) if unused else vocab_size - 1
 
 
-def prep_tap_layers(num_target_layers: int, num_layers: int = 5) -> list[int]:
+def prep_tap_layers(num_target_layers: int, num_layers: int = DEFAULT_NUM_LAYERS) -> list[int]:
     """The union of EAGLE-3's and DFlash's default taps: one prep that serves both drafters."""
     from models.config import default_aux_layer_ids
     from models.dflash import default_target_layer_ids
@@ -252,7 +253,7 @@ class DFlashObjective:
     @classmethod
     def from_config(cls, cfg) -> DFlashObjective:
         t = cfg.train
-        settings = DFlashSettings(block_size=cfg.model.block_size or 16, anchors=t.dflash_anchors,
+        settings = DFlashSettings(block_size=cfg.model.block_size or DEFAULT_BLOCK_SIZE, anchors=t.dflash_anchors,
                                   gamma=t.dflash_gamma, chunk_size=t.chunk_size, seed=t.seed)
         return cls(settings, cfg)
 
@@ -270,7 +271,7 @@ class DFlashObjective:
         m = self.cfg.model
         target = target_config(prep_dir)
         geo = target_geometry(target)
-        layers = m.num_layers or 5
+        layers = m.num_layers or DEFAULT_NUM_LAYERS
         if m.tap_layers is not None:
             taps = list(m.tap_layers)
         else:
@@ -389,7 +390,7 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prep-taps", help="capture.tap_layers serving both EAGLE-3 and DFlash, e.g. [1,8,14,20,26,27]")
     p.add_argument("target", help="a target preset / hub id / HF dir, or its number of decoder layers")
-    p.add_argument("--num-layers", type=int, default=5, help="DFlash drafter layers (= its default tap count)")
+    p.add_argument("--num-layers", type=int, default=DEFAULT_NUM_LAYERS, help="DFlash drafter layers (= its default tap count)")
     a = ap.parse_args()
     if a.target.isdigit():
         layers = int(a.target)

@@ -46,11 +46,7 @@ class Eagle1Objective:
 
     @classmethod
     def from_config(cls, cfg) -> Eagle1Objective:
-        t = cfg.train
-        settings = TTTSettings(steps=t.ttt_steps, decay=t.loss_decay, chunk_size=t.chunk_size,
-                               checkpoint_layer=t.checkpoint_layer)
-        eval_settings = TTTSettings(steps=t.eval_ttt_steps or t.ttt_steps, decay=t.loss_decay, chunk_size=t.chunk_size)
-        return cls(settings, eval_settings, cfg)
+        return cls(TTTSettings.from_train(cfg.train), TTTSettings.from_train(cfg.train, held_out=True), cfg)
 
     def build_drafter(self, prep_dir: Path, tap_layers: list[int], head: nn.Module) -> nn.Module:
         from models.eagle1 import Eagle1Config, Eagle1Drafter

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from train.batch import PAD_ID, Batch
+from train.config import TrainConfig
 from train.loss import VocabMaps, chunked_terms, fused_terms, gather_teacher, teacher_argmax, teacher_target
 
 SUM_KEYS = ("ce_sum", "acc_sum", "min_pq_sum", "n_valid_k")
@@ -37,9 +38,10 @@ SUM_KEYS = ("ce_sum", "acc_sum", "min_pq_sum", "n_valid_k")
 
 @dataclass
 class TTTSettings:
-    steps: int = 7  # K: TTT unroll length
-    decay: float = 0.8  # λ: step k's CE is weighted λ^k
-    chunk_size: int = 1024  # target positions (flattened over the batch) per loss chunk
+    # Defaults are the run config's (train/config.py TrainConfig); `from_train` builds them from a run's.
+    steps: int = TrainConfig.ttt_steps  # K: TTT unroll length
+    decay: float = TrainConfig.loss_decay  # λ: step k's CE is weighted λ^k
+    chunk_size: int = TrainConfig.chunk_size  # target positions (flattened over the batch) per loss chunk
     # Fused output head (train/loss.py fused_terms): CE and its gradients in one pass over each chunk's
     # logits, the teacher once, nothing recomputed. Used when the drafter's logits are lm_head(norm(h))
     # (Eagle3Drafter); False, or another drafter, takes the autograd path below.
@@ -49,6 +51,14 @@ class TTTSettings:
     # count_valid keeps the per-chunk teacher targets for ttt_loss (so the full-vocab teacher runs once per
     # batch, not twice) when they take at most this many MB; long sequences recompute them instead.
     teacher_cache_mb: int = 1024
+
+    @classmethod
+    def from_train(cls, t: TrainConfig, held_out: bool = False) -> TTTSettings:
+        """A run's settings (train.ttt_steps, loss_decay, chunk_size, checkpoint_layer); held_out: what its
+        evaluations unroll (train.eval_ttt_steps, default K; no checkpointing without a backward)."""
+        if held_out:
+            return cls(steps=t.eval_ttt_steps or t.ttt_steps, decay=t.loss_decay, chunk_size=t.chunk_size)
+        return cls(steps=t.ttt_steps, decay=t.loss_decay, chunk_size=t.chunk_size, checkpoint_layer=t.checkpoint_layer)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -401,12 +411,7 @@ class Eagle3Objective:
 
     @classmethod
     def from_config(cls, cfg) -> Eagle3Objective:
-        t = cfg.train
-        settings = TTTSettings(
-            steps=t.ttt_steps, decay=t.loss_decay, chunk_size=t.chunk_size, checkpoint_layer=t.checkpoint_layer
-        )
-        eval_settings = TTTSettings(steps=t.eval_ttt_steps or t.ttt_steps, decay=t.loss_decay, chunk_size=t.chunk_size)
-        return cls(settings, eval_settings, cfg)
+        return cls(TTTSettings.from_train(cfg.train), TTTSettings.from_train(cfg.train, held_out=True), cfg)
 
     def build_drafter(self, prep_dir, tap_layers: list[int], head: nn.Module) -> nn.Module:
         from models.config import default_aux_layer_ids, target_geometry
