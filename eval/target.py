@@ -104,16 +104,26 @@ def keep_kv(cache, prefix_len: int, new_indices: Tensor) -> None:
     """Keep cache positions [0, prefix_len) plus prefix_len + new_indices, in that order; drop the rest.
 
     After a verify forward the cache holds the whole drafted block; only the accepted path survives.
+    `new_indices` ascend (a path's nodes come after their parents in the flattened block), so the kept
+    entries are gathered into place behind the prefix and the cache is cut to a view: nothing but the
+    accepted entries is copied (a chain's accepted prefix: nothing at all).
     Works on full-attention DynamicCache layers (keys/values [B, heads, T, D]), as TargetRunner.new_cache makes.
     """
-    idx = new_indices.to(torch.long)
+    idx = new_indices.to(torch.long).reshape(-1)
+    kept = idx.numel()
+    if kept and bool((idx[1:] <= idx[:-1]).any()):
+        raise ValueError(f"keep_kv: new_indices must ascend, got {idx.tolist()}")
+    in_place = bool((idx == torch.arange(kept)).all())
     for layer in cache.layers:
         if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys"):
             raise NotImplementedError(f"keep_kv supports full-attention DynamicCache layers, got {type(layer)}")
         if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
             continue
-        sel = torch.cat([torch.arange(prefix_len), prefix_len + idx]).to(layer.keys.device)
-        if sel.numel() == layer.keys.shape[-2] and bool((sel == torch.arange(sel.numel(), device=sel.device)).all()):
-            continue  # already exactly the kept positions
-        layer.keys = layer.keys.index_select(-2, sel)
-        layer.values = layer.values.index_select(-2, sel)
+        end = prefix_len + kept
+        if not in_place:
+            src = (prefix_len + idx).to(layer.keys.device)
+            # index_select copies the kept rows first, so overwriting the rows they came from is safe
+            layer.keys[..., prefix_len:end, :] = layer.keys.index_select(-2, src)
+            layer.values[..., prefix_len:end, :] = layer.values.index_select(-2, src)
+        layer.keys = layer.keys[..., :end, :]
+        layer.values = layer.values[..., :end, :]

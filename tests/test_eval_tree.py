@@ -139,3 +139,27 @@ def test_tree_verify_forward_equals_per_path_forward(kind: str) -> None:
         tiny_target.config.layer_types = ["full_attention"] * 3
         no_window = runner.forward(prefix + tokens[accepted].tolist() + [2], runner.new_cache()).logits[-1]
         assert (no_window - ref_nxt).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("accepted", [[0], [0, 1], [0, 2, 6]])
+def test_keep_kv_keeps_exactly_the_accepted_entries(accepted: list[int]) -> None:
+    """A chain's accepted prefix is kept as a view (nothing copied), a tree path is gathered into place;
+    both leave the cache a fresh forward over prefix + path builds."""
+    runner = TargetRunner(_target("llama-sdpa"))
+    prefix, tokens = [3, 1, 4, 1, 5], torch.tensor([6, 5, 3, 5, 8, 9, 7, 9])
+    parents = torch.tensor([-1, 0, 0, 1, 1, 3, 2, 6])
+    depths = torch.tensor([0, 1, 1, 2, 2, 3, 2, 3])
+    cache = runner.new_cache()
+    runner.forward(prefix, cache)
+    n = len(prefix)
+    runner.forward(tokens, cache, depths + n, tree_attention_allowed(parents, n))
+    storage = cache.layers[0].keys.untyped_storage().data_ptr()
+    keep_kv(cache, n, torch.tensor(accepted))
+    assert cache.layers[0].keys.untyped_storage().data_ptr() == storage  # cut and compacted in place
+    ref = runner.new_cache()
+    runner.forward(prefix + tokens[accepted].tolist(), ref)
+    for a, b in zip(cache.layers, ref.layers):
+        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=1e-10)
+        torch.testing.assert_close(a.values, b.values, rtol=0, atol=1e-10)
+    with pytest.raises(ValueError, match="ascend"):
+        keep_kv(cache, n, torch.tensor([0, 2, 1]))
