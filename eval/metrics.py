@@ -66,7 +66,22 @@ def summarize(records: Sequence[GenerationRecord], depth: int | None = None) -> 
         "accept_length_histogram": accept_length_histogram(records, depth),
         "verify_forwards": sum(r.verify_forwards for r in records),
         "new_tokens": sum(len(r.output_ids) for r in records),
+        "cycle_time_share": cycle_time_share(records),
     }
+
+
+def cycle_time_share(records: Sequence[GenerationRecord]) -> dict[str, float]:
+    """Share of the speculative requests' wall time spent in each phase (spec_decode.PHASES), the rest
+    as "other" (the loop's bookkeeping); empty for plain decoding."""
+    total = sum(r.time_s for r in records if r.phase_s)
+    if total <= 0:
+        return {}
+    shares: dict[str, float] = {}
+    for r in records:
+        for phase, seconds in r.phase_s.items():
+            shares[phase] = shares.get(phase, 0.0) + seconds / total
+    shares["other"] = max(0.0, 1.0 - sum(shares.values()))
+    return shares
 
 
 def oov_rate(records: Sequence[GenerationRecord], t2d: torch.Tensor) -> float:

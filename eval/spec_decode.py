@@ -50,10 +50,28 @@ class GenerationRecord:
     accept_lengths: list[int] = field(default_factory=list)  # accepted DRAFT tokens per verify forward
     depth_attempts: list[int] = field(default_factory=list)  # [n]: steps that reached draft depth n
     depth_accepts: list[int] = field(default_factory=list)  # [n]: ... and accepted the draft at depth n
+    # Wall seconds per phase of the speculative cycles (PHASES; the prefill is "prefill"); empty for plain.
+    phase_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def verify_forwards(self) -> int:
         return len(self.accept_lengths)
+
+
+# Where a speculative cycle's time goes (bench/decode_profile.py): drafting, the tree mask, the verify
+# forward, choosing the accepted path, cutting the target's KV cache, and feeding the drafter what was
+# accepted; "other" is the loop's own bookkeeping (the rest of GenerationRecord.time_s).
+PHASES = ("prefill", "draft", "mask", "verify", "accept", "kv", "commit")
+
+
+class _PhaseClock:
+    def __init__(self, into: dict[str, float]) -> None:
+        self.into, self.t = into, time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.into[phase] = self.into.get(phase, 0.0) + now - self.t
+        self.t = now
 
 
 def _finish(out: list[int], new: list[int], max_new_tokens: int, eos: frozenset[int]) -> str | None:
@@ -159,6 +177,7 @@ class SpeculativeDecoder:
         depth, strategy = self.depth, self.strategy
         rec = GenerationRecord(len(prompt_ids), [], "length", 0.0, 0, [], [0] * depth, [0] * depth)
         self.target_cache = cache = self.target.new_cache()
+        clock = _PhaseClock(rec.phase_s)
 
         pre = self.target.forward(prompt_ids, cache)
         rec.target_forwards += 1
@@ -167,19 +186,26 @@ class SpeculativeDecoder:
         n = len(prompt_ids)  # tokens in the target's KV cache; root sits at position n
         if stop is None:
             strategy.start(prompt_ids, pre.taps, root)
+        clock.lap("prefill")
         while stop is None:
             tree = strategy.draft(root, n, params, generator)
+            clock.lap("draft")
             allowed = tree_attention_allowed(tree.parents, n)
+            clock.lap("mask")
             ver = self.target.forward(tree.tokens, cache, tree.position_ids(n), allowed)
             rec.target_forwards += 1
+            clock.lap("verify")
             path, bonus = accept_path(tree, ver.logits, params, generator)
             self._count(rec, tree, path)
+            clock.lap("accept")
             keep_kv(cache, n, torch.tensor(path))
+            clock.lap("kv")
             accepted = tree.tokens[path[1:]].tolist()
             stop = _finish(rec.output_ids, [*accepted, bonus], max_new_tokens, eos)
             if stop is not None:
                 break
             strategy.commit(ver.taps[path], accepted, bonus, n)
+            clock.lap("commit")
             n += len(path)
             root = bonus
         rec.stop_reason = stop

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eval.sampling import SamplingParams
-from eval.spec_decode import SpecSettings, SpeculativeDecoder, plain_generate
+from eval.spec_decode import PHASES, SpecSettings, SpeculativeDecoder, plain_generate
 from eval.target import TargetRunner
 
 torch.set_num_threads(1)
@@ -94,6 +94,9 @@ def test_greedy_identical_with_long_accepted_paths(agreeing_pairs, settings: Spe
             assert spec.output_ids == plain.output_ids
             check_state(dec, prompt, spec)
             lengths += spec.accept_lengths
+            # every phase of the cycle is clocked, and the clocks add up to no more than the request's time
+            assert set(spec.phase_s) == set(PHASES) and not plain.phase_s
+            assert 0 < sum(spec.phase_s.values()) <= spec.time_s
             # steps = 1 prefill token + Σ (accepted + 1), cut to the budget
             assert sum(a + 1 for a in spec.accept_lengths) + 1 >= 40 > sum(a + 1 for a in spec.accept_lengths[:-1]) + 1
     assert max(lengths) == settings.depth, "no fully accepted path: the test would be weak"

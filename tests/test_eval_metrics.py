@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from eval import metrics
 from eval.spec_decode import GenerationRecord
 
@@ -62,3 +64,12 @@ def test_report_writer_and_plots(tmp_path) -> None:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = format_summary(report)
     assert "speedup=2.0" in text and "m=8" in text
+
+
+def test_cycle_time_share_adds_up_to_one() -> None:
+    recs = _records()
+    assert metrics.cycle_time_share(recs) == {}  # no phase clocks: nothing to share out
+    recs[0].time_s, recs[0].phase_s = 2.0, {"draft": 0.5, "verify": 1.0}
+    recs[1].time_s, recs[1].phase_s = 2.0, {"draft": 0.5, "verify": 1.5, "kv": 0.25}
+    share = metrics.cycle_time_share(recs)
+    assert share == pytest.approx({"draft": 0.25, "verify": 0.625, "kv": 0.0625, "other": 0.0625})
