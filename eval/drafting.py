@@ -125,7 +125,10 @@ def draft_tree(
     Per level: the top-k nodes of the current layer by value (sum of log-probs along the root path) are
     run through the drafter together, each attending to the prefix, its expanded ancestors and itself;
     each yields its top-k children. Finally the top-m nodes over ALL levels are kept (select_top_m).
+    Levels deeper than m are never drafted: the kept set is a connected tree of m nodes (a child never
+    outranks its parent), so no node below depth m could be in it.
     """
+    depth = min(depth, total_tokens)
     device = root_out.device
     logp = _log_probs(drafter, root_out)  # [Vd]
     k = min(topk, int(logp.numel()))

@@ -78,6 +78,21 @@ def test_chain_is_the_top1_tree(setup) -> None:
     assert all(bool(drafter.t2d[t]) for t in chain.tokens[1:].tolist())  # drafts are in the draft vocab
 
 
+def test_tree_drafts_no_level_deeper_than_its_budget(setup) -> None:
+    """With m < depth the levels below m cannot be kept: not drafting them gives the same tree, cheaper."""
+    runner, drafter, taps, root = setup
+    c_full, out_full = _fresh(drafter, taps, root)
+    full = draft_tree(drafter, c_full, out_full, root, len(PREFIX), depth=6, topk=3, total_tokens=10**6)
+    for m in (1, 2, 4):
+        cache, out = _fresh(drafter, taps, root)
+        tree = draft_tree(drafter, cache, out, root, len(PREFIX), depth=6, topk=3, total_tokens=m)
+        assert cache.length == len(PREFIX) + (min(6, m) - 1) * 3  # m - 1 drafter forwards, not 5
+        # the same m nodes the unrestricted tree's top-m are
+        top = sorted(range(1, len(full)), key=lambda i: (-float(full.values[i]), int(full.depths[i]), i))[:m]
+        assert sorted(tree.tokens[1:].tolist()) == sorted(full.tokens[top].tolist())
+        assert int(tree.depths.max()) <= m
+
+
 def test_choose_total_tokens_returns_a_candidate(setup) -> None:
     from eval.budget import choose_total_tokens
 
