@@ -7,7 +7,9 @@
 Suites (variants = Hydra overrides on top of `+exp=<suite's exp>`, which fixes data, steps and lr for all):
 - quality: the EAGLE-3 paper's ablation: EAGLE-1 (top-layer feature, feature regression + token CE), EAGLE-3
   without training-time test (K = 1) and EAGLE-3 with K = 7, λ = 0.8 (docs/method.md §2, §4);
-- dflash: DFlash (block diffusion, docs/method.md §5) against EAGLE-3 K = 7;
+- dflash: DFlash (block diffusion, docs/method.md §5) with its own recipe (+exp=dflash; blocks of 16 and of 8)
+  against EAGLE-3 with its own (+exp=eagle3_demo), at equal training wall-clock: EAGLE-3's run sets the
+  budget (evaluations left out), each DFlash variant's steps come from a short calibration run of it;
 - teacher: EAGLE-3 K = 7 trained on the exact teacher vs the compact ones (top-k logits, argmax labels);
 - scaling: one recipe on nested subsets of one large prep's training split (`--points`, data.train_samples),
   the budget scaled by the rule "the same number of epochs" (steps proportional to the data); adds
@@ -43,13 +45,16 @@ SUITES: dict[str, dict] = {
         },
     },
     # On ONE prep carrying both drafters' layers (`python -m train.dflash prep-taps <target>` prints them);
-    # EAGLE-3 picks its default three out of them. 32 blocks per sequence: +exp=dflash's CPU budget.
+    # EAGLE-3 picks its default three out of them. Each family trains with its own recipe (+exp=eagle3_demo,
+    # +exp=dflash) for the same wall-clock: EAGLE-3's run sets the budget, DFlash's steps are calibrated to it.
     "dflash": {
-        "exp": "quality",
+        "exp": "eagle3_demo",
         "variants": {
-            "dflash": ["model=dflash", "train.dflash_anchors=32"],
-            "eagle3_k7": ["train.ttt_steps=7", "train.loss_decay=0.8"],
+            "eagle3": [],
+            "dflash": {"exp": "dflash", "overrides": []},
+            "dflash_b8": {"exp": "dflash", "overrides": ["model.block_size=8", "train.dflash_gamma=4"]},
         },
+        "equal_wall": "eagle3",
     },
     # Compact teachers (issue: long context): the same conversations captured with each teacher kind
     # (`make prep ... capture.teacher=topk` into <prep>-topk, `=argmax` into <prep>-argmax), trained alike;
@@ -94,6 +99,28 @@ def _run(cmd: list[str], log: Path) -> None:
     if proc.returncode:
         raise SystemExit(f"failed ({proc.returncode}) after {time.perf_counter() - t0:.0f} s: {' '.join(cmd)}\n"
                          f"see {log}")
+
+
+CALIBRATION_STEPS = 6  # optimizer steps of the run that times a variant's step for an equal wall-clock budget
+
+
+def train_seconds(run_dir: Path) -> dict[int, float]:
+    from train.metrics import read_metrics, training_clock
+
+    return training_clock(read_metrics(run_dir / "metrics.jsonl"))
+
+
+def equal_wall_steps(args: argparse.Namespace, name: str, overrides: list[str], exp: str, budget_s: float) -> int:
+    """Optimizer steps of `name` that fit `budget_s` training seconds: a short calibration run of its own
+    recipe times its steps (the first left out: it pays one-off costs)."""
+    calib = f"{name}_calibration"
+    train(args, calib, [*overrides, f"train.max_steps={CALIBRATION_STEPS}", "train.eval_interval=0",
+                        "train.save_interval=0", "train.export=false"], exp)
+    clock = train_seconds(Path(args.out) / calib)
+    per_step = (clock[CALIBRATION_STEPS] - clock[1]) / (CALIBRATION_STEPS - 1)
+    steps = max(1, int(budget_s / per_step))
+    print(f"[{name}] {per_step:.1f} s/step -> {steps} steps in {budget_s:.0f} s", flush=True)
+    return steps
 
 
 def train(args: argparse.Namespace, name: str, overrides: list[str], exp: str) -> dict:
@@ -250,10 +277,22 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
-    for name, overrides in variants.items():
-        summary = train(args, name, overrides, suite["exp"])
+    reference = suite.get("equal_wall")
+    budget_s = None
+    for name, spec in variants.items():
+        exp, overrides = (spec["exp"], list(spec["overrides"])) if isinstance(spec, dict) else (suite["exp"], spec)
+        if reference is not None and name != reference:
+            if budget_s is None:
+                raise SystemExit(f"--suite {args.suite}: the budget variant {reference!r} must run first")
+            # many epochs: the calibrated max_steps ends the run and its schedule
+            overrides += [f"train.max_steps={equal_wall_steps(args, name, overrides, exp, budget_s)}",
+                          "train.epochs=10000"]
+        summary = train(args, name, overrides, exp)
+        if name == reference:
+            budget_s = max(train_seconds(Path(args.out) / name).values())
         ev = summary.get("eval") or {}
-        results[name] = {"overrides": overrides, "train_wall_s": summary.get("wall_s"), "steps": summary.get("steps"),
+        results[name] = {"exp": exp, "overrides": overrides, "train_wall_s": summary.get("wall_s"),
+                         "train_s": max(train_seconds(Path(args.out) / name).values()), "steps": summary.get("steps"),
                          "sim_tau": ev.get("sim_tau"), "acc_k": ev.get("acc_k"), "alpha_k": ev.get("alpha_k"),
                          "oov_rate": ev.get("oov_rate"), "eval_history": eval_history(Path(args.out) / name),
                          "decode": {}}

@@ -522,22 +522,17 @@ def evaluate_export(export_dir: Path, cfg: RunConfig, prep: Path, head: Any) -> 
 
 
 def our_curve(run_dir: Path) -> list[dict]:
-    """Our run's held-out evals (metrics.jsonl) with the training wall-clock at each: time since the step-0
-    eval ended, minus the evals in between (a train record is logged before that step's eval starts).
-    Checkpoint saves stay in (seconds on this data)."""
+    """Our run's held-out evals (metrics.jsonl) with the training wall-clock at each (train.metrics
+    .training_clock: evaluations left out, checkpoint saves in; seconds on this data)."""
+    from train.metrics import training_clock
+
     recs = _read_jsonl(run_dir / "metrics.jsonl")
-    train_t = {r["step"]: r["time"] for r in recs if r["kind"] == "train"}
     evals = [r for r in recs if r["kind"] == "eval"]
     if not evals or evals[0]["step"] != 0:
         raise SystemExit(f"{run_dir}/metrics.jsonl: no step-0 eval to start the clock from")
-    start, spent, curve = evals[0]["time"], 0.0, []
-    for r in evals:
-        s = r["step"]
-        wall = 0.0 if s == 0 else train_t[s] - start - spent
-        if s:
-            spent += r["time"] - train_t[s]
-        curve.append({"step": s, "wall_s": round(wall, 2), "sim_tau": r["sim_tau"], "acc_k": r["acc_k"]})
-    return curve
+    clock = training_clock(recs)
+    return [{"step": r["step"], "wall_s": round(clock[r["step"]] if r["step"] else 0.0, 2), "sim_tau": r["sim_tau"],
+             "acc_k": r["acc_k"]} for r in evals]
 
 
 def _at_wall(curve: list[dict], wall: float) -> dict | None:

@@ -49,3 +49,36 @@ def test_two_by_one_sweep_under_torchrun_writes_summary(tmp_path: Path) -> None:
     table = (out / "sweep_summary.md").read_text()
     assert table == markdown(rows) and "acc_1" in table and table.count("\n") == 4
     assert (out / "sweep_summary.png").stat().st_size > 1000
+
+
+def test_training_clock_leaves_the_evaluations_out() -> None:
+    from train.metrics import training_clock
+
+    records = [
+        {"kind": "eval", "step": 0, "time": 100.0},  # the clock starts when the step-0 eval ends
+        {"kind": "train", "step": 1, "time": 110.0},
+        {"kind": "train", "step": 2, "time": 120.0},
+        {"kind": "eval", "step": 2, "time": 150.0},  # 30 s of evaluation after step 2
+        {"kind": "train", "step": 3, "time": 160.0},
+        {"kind": "train", "step": 3, "time": 999.0},  # a resumed run repeating step 3 keeps the first time
+        {"kind": "summary", "step": 3, "time": 170.0},
+    ]
+    assert training_clock(records) == {1: 10.0, 2: 20.0, 3: 30.0}
+    assert training_clock([{"kind": "eval", "step": 0, "time": 1.0}]) == {}
+
+
+def test_equal_wall_budget_from_a_calibration_run(tmp_path: Path) -> None:
+    """bench/compare_drafters.py gives a variant the steps that fit the reference's training seconds, timed
+    by a finished calibration run of its own recipe (its first step left out)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import compare_drafters as cd
+
+    calib = tmp_path / "dflash_calibration"
+    calib.mkdir()
+    times = [0.0, 10.0, 14.0, 18.0, 22.0, 26.0, 30.0]  # step 1 pays one-off costs; then 4 s per step
+    rows = [{"kind": "eval", "step": 0, "time": 0.0}]
+    rows += [{"kind": "train", "step": s, "time": t} for s, t in enumerate(times) if s]
+    (calib / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (calib / "summary.json").write_text(json.dumps({"finished": True}))
+    args = cd.parse_args(["--suite", "dflash", "--prep", str(tmp_path), "--out", str(tmp_path)])
+    assert cd.equal_wall_steps(args, "dflash", [], "dflash", budget_s=100.0) == 25

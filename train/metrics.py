@@ -153,3 +153,27 @@ def read_metrics(path: Path, kind: str | None = None) -> list[dict]:
                 continue
             raise ValueError(f"{path}:{line_no}: not a JSON record ({json_error(e)})") from None
     return [r for r in rows if kind is None or r["kind"] == kind]
+
+
+def training_clock(records: list[dict]) -> dict[int, float]:
+    """Training wall seconds at each optimizer step that has a train record, held-out evaluations left out:
+    the clock starts when the step-0 evaluation ends (or at the first record) and stops while an evaluation
+    runs (its record is written when it ends, after the train record of its step). Checkpoint saves stay in.
+    A resumed run's repeated steps keep their first time."""
+    train_t: dict[int, float] = {}
+    for r in records:
+        if r["kind"] == "train":
+            train_t.setdefault(r["step"], r["time"])
+    if not train_t:
+        return {}
+    first_eval = next((r for r in records if r["kind"] == "eval"), None)
+    start = first_eval["time"] if first_eval is not None and first_eval["step"] == 0 else records[0]["time"]
+    paused: list[tuple[int, float]] = []  # (step, seconds its evaluation took)
+    for r in records:
+        if r["kind"] == "eval" and r["step"] > 0 and r["step"] in train_t:
+            paused.append((r["step"], r["time"] - train_t[r["step"]]))
+    clock = {}
+    for step, t in sorted(train_t.items()):
+        spent = sum(s for at, s in paused if at < step)
+        clock[step] = t - start - spent
+    return clock
