@@ -212,7 +212,8 @@ def table(results: dict) -> str:
         cells = [name, f"{r['sim_tau']:.3f}" if r["sim_tau"] is not None else "-", acc]
         for p in panels:
             rep = r["decode"].get(p)
-            cells += [f"{rep['tau_pooled']:.3f}", f"{rep['speedup']:.2f}x"] if rep else ["-", "-"]
+            speedup = rep.get("speedup") if rep else None  # None: evaluated without the plain baseline
+            cells += [f"{rep['tau_pooled']:.3f}", "-" if speedup is None else f"{speedup:.2f}x"] if rep else ["-", "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
