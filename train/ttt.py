@@ -413,8 +413,12 @@ class Eagle3Objective:
         from train.batch import tap_columns
         from train.build import build_drafter, target_config
 
-        default = default_aux_layer_ids(target_geometry(target_config(prep_dir))["num_target_layers"])
-        wanted = list(self.cfg.model.tap_layers or (default if set(default) <= set(tap_layers) else tap_layers))
+        try:
+            default = default_aux_layer_ids(target_geometry(target_config(prep_dir))["num_target_layers"])
+        except ValueError:  # a target too shallow for EAGLE-3's default taps: the drafter reads the shards'
+            default = []
+        wanted = list(self.cfg.model.tap_layers or (default if default and set(default) <= set(tap_layers)
+                                                    else tap_layers))
         self.columns, self.n_source_taps = tap_columns(tap_layers, wanted), len(tap_layers)
         return build_drafter(self.cfg.model, prep_dir, wanted, self.cfg.data.max_len, head)
 
