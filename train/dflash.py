@@ -335,7 +335,7 @@ class DFlashObjective:
                 out["n_valid_k"] += t["valid"].sum(-1).cpu()
                 out["alpha_num"] += num
                 out["alpha_den"] += den
-                out["num_samples"] += len(batch)
+                out["num_samples"] += int(batch.valid.any(1).sum())  # a blank row (train/data.py) is no sample
         finally:
             module.train(was_training)
         return out

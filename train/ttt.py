@@ -334,7 +334,7 @@ def eval_sums(
             out["alpha_num"] += num
             out["alpha_den"] += den
             if start == 0:  # a sample split over ranks counts once, on the rank owning its start
-                out["num_samples"] += len(batch)
+                out["num_samples"] += int(batch.valid.any(1).sum())  # a blank row (train/data.py) is no sample
     finally:
         drafter.train(was_training)
     return out
