@@ -87,7 +87,7 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     records_in = load_prompts(cfg.prompts, limit=d.num_prompts if d.num_prompts > 0 else None,
                               max_turns=d.max_turns if d.max_turns > 0 else None)
     preset = resolve_target(cfg.target)
-    model, tokenizer = load_target(preset, dtype=cfg.dtype, device=device)
+    model, tokenizer = load_target(preset, dtype=cfg.dtype, device=device, chat_template=cfg.chat_template)
     drafter = load_drafter(cfg.drafter, model, device, next(model.parameters()).dtype)
     runner = TargetRunner(model, drafter.tap_layers)
     template_kwargs = {} if preset.enable_thinking is None else {"enable_thinking": preset.enable_thinking}
