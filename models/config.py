@@ -289,3 +289,14 @@ class Eagle3Config:
             fc_norm=bool(d.get("fc_norm", False)),
             norm_output=bool(d.get("norm_output", False)),
         ).validate()
+
+
+def check_target(hf_config: dict[str, Any], tap_layers: list[int]) -> None:
+    """Raise what training will raise when it builds a drafter for this target reading `tap_layers`: its
+    geometry and RoPE layout (`target_geometry`) and the tap ids (`Eagle3Config.validate`), by the same code.
+    Prep calls it before the target's weights load, so it never makes a prep that training refuses."""
+    geometry = target_geometry(hf_config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the engines' 3-tap warning concerns an export, not a prep's taps
+        Eagle3Config.from_target_config(hf_config, draft_vocab_size=geometry["vocab_size"],
+                                        aux_layer_ids=list(tap_layers))
