@@ -69,22 +69,49 @@ class HiddenStateCapture:
         self._store.clear()
         # The base model only: the LM head over [B, T, V] is not needed for the hidden teacher.
         base_model(self.model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return self._collect()
+
+    @torch.no_grad()
+    def with_reference(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """What `__call__` captures, from ONE forward of the whole target, and that forward's own output (logits,
+        output_hidden_states): the two sides data_prep/fidelity.py compares."""
+        self._store.clear()
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                         output_hidden_states=True)
+        return self._collect(), out
+
+    def _collect(self) -> Captured:
         taps = torch.cat([self._store[i] for i in self.tap_layers], dim=-1)
         final = self._store[len(self._layers) - 1]
         self._store.clear()
         return Captured(taps=taps, final_hidden=final)
 
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+
+def pad_right(sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [B, T] of right-padded token id sequences, as capture batches them."""
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = s
+        attn[i, : len(s)] = 1
+    return ids, attn
+
 
 @torch.no_grad()
 def compact_teacher(
-    model: nn.Module, final_hidden: torch.Tensor, kind: str, k: int = 0, chunk: int = 1024
+    head: nn.Module, final_hidden: torch.Tensor, kind: str, k: int = 0, chunk: int = 1024
 ) -> dict[str, torch.Tensor]:
-    """Top-k logits or argmax labels from the target's final norm + LM head, `chunk` tokens at a time."""
-    norm, head = base_model(model).norm, model.get_output_embeddings()
+    """Top-k logits or argmax labels from the target head (models.target_head.TargetHead: the family's final
+    norm, LM head and soft-capping, as the hidden teacher's logits are recomputed), `chunk` tokens at a time."""
     flat = final_hidden.reshape(-1, final_hidden.shape[-1])  # (B*T, H)
     ids, vals = [], []
     for part in flat.split(chunk):
-        logits = head(norm(part)).float()  # (chunk, V)
+        logits = head.logits(part).float()  # (chunk, V)
         if kind == "argmax":
             ids.append(logits.argmax(-1))
         else:

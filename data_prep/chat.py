@@ -39,6 +39,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from data_prep.conversations import Message
@@ -317,3 +318,33 @@ def template_hash(tokenizer, chat_template: str | None = None) -> str:
     template = tokenizer.get_chat_template(chat_template)
     payload = json.dumps({"template": template, "special": tokenizer.special_tokens_map}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def resolve_chat_template(value: str | None) -> str | None:
+    """The `chat_template=` option of prep and eval: the text of the file it names, or the template itself
+    (None: not given). Text that names no file and holds no Jinja tag is a mistyped path, not a template."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    try:
+        if path.is_file():
+            return path.read_text()
+    except (OSError, ValueError):  # a long template is no valid path
+        pass
+    if "{{" not in value and "{%" not in value:
+        raise FileNotFoundError(f"chat_template={value!r}: no such file, and not a Jinja template either "
+                                "(no '{{' or '{%')")
+    return value
+
+
+def use_chat_template(tokenizer, value: str | None, owner: str):
+    """`tokenizer` with the `chat_template=` option (`resolve_chat_template`) as its template; a tokenizer
+    left without one (a base model's) is an error that names the option. Returns the tokenizer."""
+    template = resolve_chat_template(value)
+    if template is not None:
+        tokenizer.chat_template = template
+    if not tokenizer.chat_template:
+        raise ValueError(f"{owner}: the tokenizer has no chat template (a base model?). Give one with "
+                         "chat_template=<file or template string> (launch/prep.py and launch/eval.py; make prep/eval "
+                         "ARGS=\"chat_template=<file>\")")
+    return tokenizer

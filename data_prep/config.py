@@ -66,6 +66,8 @@ class PrepConfig:
     draft_vocab_train_weight: float = 0.5  # the training split's share of the mixed frequency
     draft_vocab_count_max: int = 0  # dataset conversations counted; <= 0: all
     dtype: str | None = None  # target dtype; None: the preset's
+    # The chat template (a file, or the Jinja text itself) replacing the tokenizer's own; base models ship none.
+    chat_template: str | None = None
     device: str | None = None  # None: cuda if available, else cpu
     regen: RegenConfig = field(default_factory=RegenConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)

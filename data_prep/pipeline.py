@@ -7,11 +7,16 @@ Output directory (the prep contract; the shard format itself is documented in da
                                      dataset_counts, selection_scores (data_prep/vocab.py; each
                                      rank's share of the dataset count: dataset_counts.r{rank}.safetensors)
     <out>/target_head.safetensors    frozen target embed_tokens / norm / lm_head, so training needs no target
+                                     (metadata: the family's norm class, soft-capping, embedding scale)
     <out>/target_config.json         the target's HF config
     <out>/tokenizer/                 the target's tokenizer (loss-mask viewer, eval)
     <out>/regen/{split}.r{rank}.jsonl  regenerated conversations with a status per conversation
     <out>/summary.json               counts, skips by reason, bytes, throughput; written last (atomically) and
                                      removed when a rerun starts rewriting: no summary = an unfinished prep
+
+Before the target's weights load, `preflight` refuses what training would refuse (RoPE layout, geometry, tap
+ids) and a tokenizer without a chat template; right after, before any regeneration, data_prep/fidelity.py checks
+on a probe batch that the head and taps the prep stores reproduce the target's own computation.
 
 Work is split across torchrun ranks by position (sample i goes to rank i % world); each rank writes
 its own shards and the last step (rank 0) merges the manifests. Every stage resumes: finished
@@ -25,7 +30,7 @@ import json
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,10 +38,11 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from data_prep.capture import HiddenStateCapture, base_model, compact_teacher
+from data_prep.capture import HiddenStateCapture, compact_teacher, pad_right
 from data_prep.chat import Dropped, render_conversation, render_prompt, template_hash
 from data_prep.config import PrepConfig
 from data_prep.conversations import Conversation, SkipReport, load_conversations, split_conversations
+from data_prep.fidelity import check_fidelity, probe_batch
 from data_prep.shards import (
     PREP_SUMMARY,
     Sample,
@@ -49,7 +55,7 @@ from data_prep.shards import (
     write_prep_summary,
     writing,
 )
-from data_prep.targets import TargetPreset, load_target, resolve_target
+from data_prep.targets import TargetPreset, load_target, load_target_config, load_tokenizer, resolve_target
 from data_prep.vocab import (
     VOCAB_FILE,
     build_draft_vocab,
@@ -58,6 +64,8 @@ from data_prep.vocab import (
     save_draft_vocab,
     selection_scores,
 )
+from models.config import check_target
+from models.target_head import TargetHead
 
 SPLITS = ("train", "eval")
 NOT_SKIPS = ("captured_tokens", "truncated to max_length")  # counted, but the sample is kept
@@ -217,7 +225,7 @@ def length_batches(samples: list[Rendered], batch_tokens: int) -> list[list[Rend
     return batches
 
 
-def capture_split(cfg, model, capture, spec, samples, root: Path, rank: int, device: str) -> dict:
+def capture_split(cfg, head, capture, spec, samples, root: Path, rank: int, device: str) -> dict:
     writer = ShardWriter(root, spec, rank=rank, tokens_per_shard=cfg.capture.tokens_per_shard)
     done = completed_sample_ids(root)
     todo = [s for s in samples if s.conversation_id not in done]
@@ -225,16 +233,11 @@ def capture_split(cfg, model, capture, spec, samples, root: Path, rank: int, dev
     bar = tqdm(total=sum(len(s.input_ids) for s in todo), unit="tok", desc=f"capture {root.name} r{rank}",
                disable=rank != 0)
     for batch in length_batches(todo, cfg.capture.batch_tokens):
-        width = max(len(s.input_ids) for s in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for i, s in enumerate(batch):
-            ids[i, : len(s.input_ids)] = s.input_ids
-            attn[i, : len(s.input_ids)] = 1
+        ids, attn = pad_right([s.input_ids for s in batch])
         got = capture(ids.to(device), attn.to(device))
         teacher = {}
         if spec.teacher != "hidden":
-            teacher = compact_teacher(model, got.final_hidden, spec.teacher, spec.teacher_topk)
+            teacher = compact_teacher(head, got.final_hidden, spec.teacher, spec.teacher_topk)
         for i, s in enumerate(batch):
             n = len(s.input_ids)
             extra = {k: v[i, :n].cpu() for k, v in teacher.items()}
@@ -256,21 +259,35 @@ def capture_split(cfg, model, capture, spec, samples, root: Path, rank: int, dev
             "skipped_already_done": len(samples) - len(todo), "bytes_written": writer.bytes_written}
 
 
-def save_target_files(model, tokenizer, out: Path) -> None:
-    base = base_model(model)
-    tensors = {
-        "embed_tokens.weight": base.embed_tokens.weight,
-        "norm.weight": base.norm.weight,
-        "lm_head.weight": model.get_output_embeddings().weight,
-    }
-    # clone: tied embeddings share storage, which safetensors refuses to write twice
+def save_target_files(head: TargetHead, model, tokenizer, out: Path) -> None:
     with writing(out / "target_head.safetensors"):
-        save_file({k: v.detach().float().cpu().clone().contiguous() for k, v in tensors.items()},
-                  str(out / "target_head.safetensors"))
+        head.save(out / "target_head.safetensors", dtype=torch.float32)
     with writing(out / "target_config.json"):
         (out / "target_config.json").write_text(json.dumps(model.config.to_dict(), indent=1, default=str))
     with writing(out / "tokenizer"):
         tokenizer.save_pretrained(out / "tokenizer")
+
+
+def preflight(cfg: PrepConfig, preset: TargetPreset, tap_layers: list[int]) -> None:
+    """Before the target's weights load: its tokenizer has a chat template (or `chat_template=` gives one), and
+    nothing of its config or the tap layers is what training would refuse (models.config.check_target, the
+    same checks the drafter config runs when training builds it)."""
+    load_tokenizer(preset, cfg.chat_template)
+    config = load_target_config(preset)
+    try:
+        check_target(config, tap_layers)
+    except ValueError as e:
+        family = config.get("model_type") or "?"
+        raise ValueError(f"target {preset.name!r} ({family}), capture.tap_layers={tap_layers}: {e}. Training would "
+                         "refuse this prep, so nothing was prepared.") from e
+
+
+def print_fidelity(result: dict) -> None:
+    diffs = result["max_abs_diff"]
+    taps = max(v for k, v in diffs.items() if k.startswith("tap "))
+    print(f"fidelity ({result['family']}, {result['dtype']}, {result['tokens']} probe tokens): max abs difference "
+          f"logits {diffs['LM head']:.3g}, final norm {diffs['final norm']:.3g}, taps {taps:.3g}, embedding "
+          f"{diffs['input embedding']:.3g}; argmax agreement {result['argmax_agreement']:.3f}")
 
 
 def write_draft_vocab(cfg: PrepConfig, out: Path, vocab_size: int, dataset_counts: torch.Tensor | None
@@ -328,7 +345,7 @@ def vocab_summary(cfg: PrepConfig, d2t, t2d, counts, dataset_counts) -> dict:
     }
 
 
-def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, model, tokenizer, world: int) -> dict:
+def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, head: TargetHead, model, tokenizer, world: int) -> dict:
     """Rank 0, after every rank closed its writers: manifests, draft vocab, target files, and the summary last,
     which marks the prep finished (data_prep/shards.py finished_prep)."""
     (out / PREP_SUMMARY).unlink(missing_ok=True)  # unfinished from the first rewritten file on
@@ -337,7 +354,7 @@ def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, model, tokenizer, world:
     if cfg.draft_vocab_count == "dataset":  # every rank counted its share (run)
         dataset_counts = sum(load_file(str(out / f"dataset_counts.r{r}.safetensors"))["counts"] for r in range(world))
     d2t, t2d, counts, dataset_counts = write_draft_vocab(cfg, out, spec.vocab_size, dataset_counts)
-    save_target_files(model, tokenizer, out)
+    save_target_files(head, model, tokenizer, out)
 
     parts = [json.loads((out / f"summary.r{r}.json").read_text()) for r in range(world)]
     total = Counter()
@@ -373,6 +390,8 @@ def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, model, tokenizer, world:
         "capture_tokens_per_s": total["captured_tokens"] / capture_s,
         **vocab_summary(cfg, d2t, t2d, counts, dataset_counts),
         "target_head_sha256": sha256_file(out / "target_head.safetensors"),
+        "target_head": asdict(head.spec),
+        "fidelity": parts[0]["fidelity"],  # rank 0's probe; every rank checked its own
     }
     write_prep_summary(out, summary)
     return summary
@@ -391,7 +410,9 @@ def run(cfg: PrepConfig) -> dict | None:
     tap_layers = list(cfg.capture.tap_layers or preset.tap_layers)
 
     splits, loader_skips = select_conversations(cfg)
-    model, tokenizer = load_target(preset, cfg.dtype, device)
+    preflight(cfg, preset, tap_layers)
+    model, tokenizer = load_target(preset, cfg.dtype, device, chat_template=cfg.chat_template)
+    head = TargetHead.from_hf_model(model)
     spec = ShardSpec(
         target={"id": preset.hf_id, "revision": preset.revision, "architecture": model.config.architectures[0]
                 if model.config.architectures else type(model).__name__,
@@ -409,6 +430,10 @@ def run(cfg: PrepConfig) -> dict | None:
     regen_summary: dict = {}
     capture_seconds = 0.0
     with HiddenStateCapture(model, tap_layers) as capture:
+        probe = probe_batch(tokenizer, splits["train"], cfg.max_length, template_kwargs(cfg, preset))
+        fidelity = check_fidelity(model, head, capture, *(x.to(device) for x in probe))
+        if rank == 0:
+            print_fidelity(fidelity)
         for split in SPLITS:
             mine = splits[split][rank::world]
             if cfg.regen.enabled:
@@ -418,7 +443,7 @@ def run(cfg: PrepConfig) -> dict | None:
                 mine, regen_summary[split] = regenerate_split(cfg, preset, model, tokenizer, mine, path)
             rendered, render_counts = render_all(cfg, tokenizer, mine, preset)
             counts.update(render_counts)
-            stats = capture_split(cfg, model, capture, spec, rendered, out / split, rank, device)
+            stats = capture_split(cfg, head, capture, spec, rendered, out / split, rank, device)
             counts["captured_tokens"] += stats["tokens"]
             capture_seconds += stats["seconds"]
     if cfg.draft_vocab_count == "dataset":
@@ -426,9 +451,9 @@ def run(cfg: PrepConfig) -> dict | None:
         save_file({"counts": part}, str(out / f"dataset_counts.r{rank}.safetensors"))
     (out / f"summary.r{rank}.json").write_text(json.dumps(
         {"counts": counts, "loader_skips": loader_skips, "regen": regen_summary,
-         "capture_seconds": capture_seconds}, default=dict))
+         "capture_seconds": capture_seconds, "fidelity": fidelity}, default=dict))
     _barrier(world)
-    summary = finish(cfg, out, spec, model, tokenizer, world) if rank == 0 else None
+    summary = finish(cfg, out, spec, head, model, tokenizer, world) if rank == 0 else None
     _barrier(world)
     if rank == 0:
         print_summary(summary, out)

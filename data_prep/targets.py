@@ -14,6 +14,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -177,32 +179,61 @@ def model_path(preset: TargetPreset) -> str:
     return preset.hf_id
 
 
-def load_tokenizer(preset: TargetPreset):
+class TargetUnavailable(OSError):
+    """A target (weights, tokenizer or config) that could not be loaded; the message names it and the remedy."""
+
+
+@contextmanager
+def _named_load_errors(preset: TargetPreset) -> Iterator[None]:
+    try:
+        yield
+    except TargetUnavailable:
+        raise
+    except OSError as e:
+        if preset.local_path or preset.embedded:  # the error names the local files already
+            raise
+        # transformers' own message ("couldn't connect to 'https://huggingface.co'") names no model
+        raise TargetUnavailable(f"target {preset.name!r} resolves to the hub id {preset.hf_id!r} (revision "
+                                f"{preset.revision!r}), which could not be loaded: {e}\n{_hub_remedy(preset.hf_id)}"
+                                ) from e
+
+
+def load_tokenizer(preset: TargetPreset, chat_template: str | None = None):
+    """The target's tokenizer, with `chat_template` (prep's and eval's `chat_template=` option: a file or the
+    template itself) replacing its own; a tokenizer left without any template is an error naming that option."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_path(preset), revision=_revision(preset))
+    from data_prep.chat import use_chat_template
+
+    with _named_load_errors(preset):
+        tok = AutoTokenizer.from_pretrained(model_path(preset), revision=_revision(preset))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    return tok
+    return use_chat_template(tok, chat_template, f"target {preset.name!r}")
+
+
+def load_target_config(preset: TargetPreset) -> dict:
+    """The target's HF config as a dict, without its weights."""
+    from transformers import AutoConfig
+
+    with _named_load_errors(preset):
+        return AutoConfig.from_pretrained(model_path(preset), revision=_revision(preset)).to_dict()
 
 
 def _revision(preset: TargetPreset) -> str | None:
     return None if preset.local_path or preset.embedded else preset.revision
 
 
-def load_target(preset: TargetPreset, dtype: str | None = None, device: str | None = None):
-    """Return (model, tokenizer). Large targets shard over all visible GPUs with device_map."""
-    try:
-        return _load_target(preset, dtype, device)
-    except OSError as e:
-        if preset.local_path or preset.embedded:  # the error names the local files already
-            raise
-        # transformers' own message ("couldn't connect to 'https://huggingface.co'") names no model
-        raise OSError(f"target {preset.name!r} resolves to the hub id {preset.hf_id!r} (revision "
-                      f"{preset.revision!r}), which could not be loaded: {e}\n{_hub_remedy(preset.hf_id)}") from e
+def load_target(preset: TargetPreset, dtype: str | None = None, device: str | None = None,
+                chat_template: str | None = None):
+    """Return (model, tokenizer), the tokenizer first (a missing chat template stops before the weights load).
+    Large targets shard over all visible GPUs with device_map."""
+    tokenizer = load_tokenizer(preset, chat_template)
+    with _named_load_errors(preset):
+        return _load_model(preset, dtype, device), tokenizer
 
 
-def _load_target(preset: TargetPreset, dtype: str | None, device: str | None):
+def _load_model(preset: TargetPreset, dtype: str | None, device: str | None):
     from transformers import AutoModelForCausalLM
 
     kwargs: dict = {"dtype": getattr(torch, dtype or preset.dtype), "revision": _revision(preset)}
@@ -213,5 +244,4 @@ def _load_target(preset: TargetPreset, dtype: str | None, device: str | None):
     model = AutoModelForCausalLM.from_pretrained(model_path(preset), **kwargs)
     if "device_map" not in kwargs:
         model.to(device or "cpu")
-    model.eval().requires_grad_(False)
-    return model, load_tokenizer(preset)
+    return model.eval().requires_grad_(False)

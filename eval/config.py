@@ -33,6 +33,8 @@ class EvalConfig:
     prompts: str = "mtbench"  # preset | JSONL with `turns` or `prompt` per record
     out_dir: str = MISSING
     dtype: str | None = None  # target/drafter dtype; None: the preset's
+    # The chat template (a file, or the Jinja text itself) replacing the tokenizer's own; base models ship none.
+    chat_template: str | None = None
     device: str | None = None  # None: cuda if available, else cpu
     threads: int = 0  # torch CPU threads; <= 0: leave torch's default
     baseline: bool = True  # plain target decoding of the same prompts (for speedup)

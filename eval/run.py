@@ -47,9 +47,10 @@ def stop_token_ids(model, tokenizer, template_kwargs: dict | None = None) -> tup
 def load_drafter(export_dir: str, target_model, device: str, dtype: torch.dtype):
     """Any family's export (models/registry.py), with the target's frozen tensors (embedding, LM head)."""
     from models.registry import family_of_export
+    from models.target_head import scaled_embedding_weight
 
     raw = json.loads((Path(export_dir) / "config.json").read_text())
-    embed = target_model.get_input_embeddings().weight
+    embed = scaled_embedding_weight(target_model)  # as the target embeds (Gemma: times sqrt(hidden))
     text_cfg = target_model.config.get_text_config()
     head = target_model.get_output_embeddings()
     weights = {"embed_tokens.weight": embed.detach().cpu()}
@@ -87,7 +88,7 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     records_in = load_prompts(cfg.prompts, limit=d.num_prompts if d.num_prompts > 0 else None,
                               max_turns=d.max_turns if d.max_turns > 0 else None)
     preset = resolve_target(cfg.target)
-    model, tokenizer = load_target(preset, dtype=cfg.dtype, device=device)
+    model, tokenizer = load_target(preset, dtype=cfg.dtype, device=device, chat_template=cfg.chat_template)
     drafter = load_drafter(cfg.drafter, model, device, next(model.parameters()).dtype)
     runner = TargetRunner(model, drafter.tap_layers)
     template_kwargs = {} if preset.enable_thinking is None else {"enable_thinking": preset.enable_thinking}

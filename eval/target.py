@@ -32,11 +32,13 @@ class TargetRunner:
         for i in self.tap_layers or []:
             if not (0 <= i < num_layers or i == FINAL_FEATURE):
                 raise ValueError(f"tap layer {i} outside the target's {num_layers} decoder layers")
-        # Hybrid targets (gpt-oss, Qwen2 with sliding layers) take a {layer type: mask} dict for custom masks.
+        # Hybrid targets (gpt-oss, Gemma-2/3, Qwen2 with sliding layers) take a {layer type: mask} dict for custom
+        # masks; targets without layer types whose config sets a window (Mistral, Phi-3) slide in every layer.
         layer_types = list(getattr(text, "layer_types", None) or [])
-        self.sliding_window: int | None = (
-            int(text.sliding_window) if "sliding_attention" in layer_types and text.sliding_window else None
-        )
+        window = getattr(text, "sliding_window", None)
+        self.hybrid = "sliding_attention" in layer_types
+        slides = self.hybrid or (not layer_types and bool(window) and getattr(text, "use_sliding_window", True))
+        self.sliding_window: int | None = int(window) if slides and window else None
 
     def new_cache(self):
         """A cache of full layers only: a sliding-window layer drops old keys that tree verification and
@@ -47,7 +49,8 @@ class TargetRunner:
 
     def tree_mask(self, allowed: Tensor, position_ids: Tensor):
         """bool [Tq, past + Tq] (True = may attend; the cache holds positions 0..past-1) -> the model's
-        attention_mask: a 4D additive mask, or a per-layer-type dict of them for hybrid targets."""
+        attention_mask: a 4D additive mask (windowed for a target sliding in every layer), or a per-layer-type
+        dict of them for hybrid targets."""
         from eval.tree import additive_mask
 
         impl = getattr(self.model.config, "_attn_implementation", None)
@@ -62,8 +65,8 @@ class TargetRunner:
         q_pos = position_ids.reshape(-1).cpu()
         k_pos = torch.cat([torch.arange(past), q_pos])
         in_window = (q_pos[:, None] - k_pos[None, :]) < self.sliding_window  # HF: kv > q - window
-        return {"full_attention": full,
-                "sliding_attention": additive_mask(allowed & in_window, self.dtype, self.device)}
+        windowed = additive_mask(allowed & in_window, self.dtype, self.device)
+        return {"full_attention": full, "sliding_attention": windowed} if self.hybrid else windowed
 
     @torch.no_grad()
     def forward(

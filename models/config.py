@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from models.rope import SUPPORTED_ROPE_TYPES
 
@@ -22,6 +22,7 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 ARCHITECTURE_ALIASES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")
 # eagle_config switches of vLLM's loader that change the forward; only their default (off) is implemented.
 _UNSUPPORTED_FLAGS = ("norm_before_residual", "norm_before_fc")
+FULL_ATTENTION = "full_attention"  # the layer type whose rotary settings a drafter takes (rope_from_hf)
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -33,11 +34,20 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 
 def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from a transformers 4 (rope_theta + rope_scaling) or transformers 5
-    (rope_parameters, which also carries rope_theta) config dict."""
+    (rope_parameters, which also carries rope_theta) config dict.
+
+    Targets with per-layer-type settings (transformers 5's rope_parameters keyed by layer type: Gemma-3's
+    sliding layers rotate with a local base, its full-attention layers with the global base and the
+    long-context scaling) give the drafter the FULL-attention layers' settings: the drafter attends over the
+    whole context, as those layers do. (transformers 4 configs of such targets already keep the full-attention
+    settings in rope_theta / rope_scaling, the local base in a key of its own.)"""
     params = dict(hf.get("rope_parameters") or {})
     legacy = dict(hf.get("rope_scaling") or {})
     if params and any(isinstance(v, dict) for v in params.values()):
-        raise ValueError("per-layer-type rope_parameters (e.g. sliding/full attention) are not supported")
+        if not isinstance(params.get(FULL_ATTENTION), dict):
+            raise ValueError(f"per-layer-type rope_parameters without {FULL_ATTENTION!r} settings (layer types "
+                             f"{sorted(params)}): the drafter takes the full-attention layers' rotation")
+        params = dict(params[FULL_ATTENTION])
     theta = params.pop("rope_theta", None) or legacy.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
     scaling = {**params, **legacy}
     rope_type = scaling.pop("type", None) or scaling.get("rope_type") or "default"
@@ -50,6 +60,31 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if float(scaling.pop("partial_rotary_factor", hf.get("partial_rotary_factor") or 1.0)) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported by the Llama-layout drafter")
     return float(theta), (None if rope_type == "default" else scaling)
+
+
+def pinned_rope_scaling(scaling: dict[str, Any] | None, target_max_pos: int) -> dict[str, Any] | None:
+    """`scaling` with what it derives from max_position_embeddings made explicit: YaRN without a `factor`
+    uses max_position_embeddings / original_max_position_embeddings (transformers, models/rope.py), which
+    would follow the drafter's own max_position_embeddings instead of the target's. (`rope_from_hf` already
+    pins original_max_position_embeddings, llama3's and yarn's, to the target's.)"""
+    if not scaling or scaling.get("rope_type") != "yarn" or scaling.get("factor"):
+        return scaling
+    return {**scaling, "factor": target_max_pos / scaling["original_max_position_embeddings"]}
+
+
+DrafterConfig = TypeVar("DrafterConfig")
+
+
+def for_trained_length(cfg: DrafterConfig, trained_len: int, max_position_embeddings: int | None = None
+                       ) -> DrafterConfig:
+    """A drafter config built from the target's (any family: rope_scaling + max_position_embeddings fields)
+    as training exports it: max_position_embeddings at least the trained length (engines size their RoPE
+    caches by it; `max_position_embeddings` overrides), and the target's rope scaling pinned
+    (`pinned_rope_scaling`) so that the larger value cannot change the rotation."""
+    target_max = cfg.max_position_embeddings  # type: ignore[attr-defined]
+    max_pos = max_position_embeddings or max(trained_len, target_max)
+    return dataclasses.replace(cfg, max_position_embeddings=max_pos,  # type: ignore[type-var]
+                               rope_scaling=pinned_rope_scaling(cfg.rope_scaling, target_max))  # type: ignore[attr-defined]
 
 
 def target_geometry(hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -254,3 +289,14 @@ class Eagle3Config:
             fc_norm=bool(d.get("fc_norm", False)),
             norm_output=bool(d.get("norm_output", False)),
         ).validate()
+
+
+def check_target(hf_config: dict[str, Any], tap_layers: list[int]) -> None:
+    """Raise what training will raise when it builds a drafter for this target reading `tap_layers`: its
+    geometry and RoPE layout (`target_geometry`) and the tap ids (`Eagle3Config.validate`), by the same code.
+    Prep calls it before the target's weights load, so it never makes a prep that training refuses."""
+    geometry = target_geometry(hf_config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the engines' 3-tap warning concerns an export, not a prep's taps
+        Eagle3Config.from_target_config(hf_config, draft_vocab_size=geometry["vocab_size"],
+                                        aux_layer_ids=list(tap_layers))

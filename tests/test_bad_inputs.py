@@ -339,3 +339,99 @@ def test_unreachable_preset_names_preset_hub_id_and_remedy(tmp_path: Path) -> No
     text = str(e.value)
     assert "target 'gpt-oss-120b' resolves to the hub id 'openai/gpt-oss-120b'" in text, text
     assert "make MODEL=<dir>" in text and "HF_HUB_OFFLINE=0" in text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prep: what training would refuse about the target, and a base model without a chat template, stop before the
+# target's weights load; `chat_template=` (a file or the template itself) supplies one, in prep and eval
+
+
+def _config_only_target(tmp_path: Path, tiny_target_dir: Path, edit=None, template: bool = True) -> Path:
+    """The tiny target's config and tokenizer without its weights: enough for everything before they load."""
+    import shutil
+
+    out = tmp_path / "target"
+    out.mkdir()
+    for f in tiny_target_dir.iterdir():
+        if f.name != "model.safetensors" and (template or not f.name.startswith("chat_template")):
+            shutil.copy(f, out / f.name)
+    if not template:
+        cfg = json.loads((out / "tokenizer_config.json").read_text())
+        cfg.pop("chat_template", None)
+        (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+    if edit is not None:
+        config = json.loads((out / "config.json").read_text())
+        edit(config)
+        (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _partial_rotary(config: dict) -> None:
+    config["rope_parameters"]["partial_rotary_factor"] = 0.5
+
+
+PREFLIGHT = [
+    ("tap_out_of_range", None, {"capture.tap_layers": [1, 3, 8]},
+     ["capture.tap_layers=[1, 3, 8]", "aux_layer_ids [1, 3, 8] out of range for a 8-layer target",
+      "Training would refuse this prep"]),
+    ("duplicate_taps", None, {"capture.tap_layers": [1, 1, 4]}, ["duplicate aux_layer_ids [1, 1, 4]"]),
+    ("partial_rotary", _partial_rotary, {}, ["(llama)", "partial_rotary_factor != 1 is not supported"]),
+]
+
+
+@pytest.mark.parametrize(("edit", "overrides", "expected"), [c[1:] for c in PREFLIGHT], ids=[c[0] for c in PREFLIGHT])
+def test_what_training_refuses_stops_the_prep_before_the_target_loads(tmp_path, monkeypatch, tiny_target_dir,
+                                                                       tiny_sharegpt_file, edit, overrides,
+                                                                       expected) -> None:
+    from data_prep import targets
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the target's weights were loaded before its config was checked")
+
+    monkeypatch.setattr(targets, "_load_model", no_weights)
+    target = _config_only_target(tmp_path, tiny_target_dir, edit)
+    out = tmp_path / "prep"
+    with pytest.raises(ValueError) as e:
+        run_prep(out, str(target), str(tiny_sharegpt_file), eval_samples=2, **overrides)
+    for text in expected:
+        assert text in str(e.value), str(e.value)
+    assert not (out / "train").exists()
+
+
+def test_a_base_model_without_chat_template_names_the_option(tmp_path, monkeypatch, tiny_target_dir,
+                                                             tiny_sharegpt_file) -> None:
+    from data_prep import targets
+    from eval.config import EvalConfig
+    from eval.run import run_eval
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the target's weights were loaded before its chat template was checked")
+
+    monkeypatch.setattr(targets, "_load_model", no_weights)
+    base = _config_only_target(tmp_path, tiny_target_dir, template=False)
+    with pytest.raises(ValueError, match="has no chat template .*chat_template=<file or template string>"):
+        run_prep(tmp_path / "prep", str(base), str(tiny_sharegpt_file), eval_samples=2)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    with pytest.raises(ValueError, match="has no chat template .*chat_template="):
+        run_eval(EvalConfig(drafter=str(tmp_path), target=str(base), prompts=str(prompts),
+                            out_dir=str(tmp_path / "eval")), progress=False)
+    with pytest.raises(FileNotFoundError, match="chat_template='templates/chatml.jinja': no such file"):
+        run_prep(tmp_path / "prep", str(base), str(tiny_sharegpt_file), eval_samples=2,
+                 chat_template="templates/chatml.jinja")
+
+
+def test_chat_template_option_takes_a_file_or_the_template(tmp_path, tiny_target_dir) -> None:
+    from transformers import AutoTokenizer
+
+    from data_prep.chat import resolve_chat_template
+    from data_prep.targets import load_tokenizer, resolve_target
+
+    template = AutoTokenizer.from_pretrained(tiny_target_dir).chat_template
+    base = _config_only_target(tmp_path, tiny_target_dir, template=False)
+    (tmp_path / "t.jinja").write_text(template)
+    assert resolve_chat_template(str(tmp_path / "t.jinja")) == template == resolve_chat_template(template)
+    assert resolve_chat_template(None) is None
+    for given in (str(tmp_path / "t.jinja"), template):
+        tok = load_tokenizer(resolve_target(str(base)), given)
+        assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|im_start|>")

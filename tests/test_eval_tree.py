@@ -85,9 +85,17 @@ def test_mask_is_exactly_ancestors_and_positions() -> None:
 
 
 def _target(kind: str):
-    """Tiny fp64 targets: Llama (sdpa / eager kernels) and a hybrid Qwen2 whose layers 1-2 use a sliding
-    window of 3 tokens, shorter than prefix + tree, so the per-layer-type mask dict is exercised."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """Tiny fp64 targets: Llama (sdpa / eager kernels), a hybrid Qwen2 whose layers 1-2 use a sliding
+    window of 3 tokens, shorter than prefix + tree, so the per-layer-type mask dict is exercised, and a Mistral
+    whose config window (no layer types) slides in every layer."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     geo = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
                num_key_value_heads=1, max_position_embeddings=256, initializer_range=0.2)
@@ -96,12 +104,14 @@ def _target(kind: str):
         cfg = Qwen2Config(**geo, use_sliding_window=True, sliding_window=3, max_window_layers=1)
         assert cfg.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
         return Qwen2ForCausalLM(cfg).eval().double()
+    if kind == "mistral-sliding":
+        return MistralForCausalLM(MistralConfig(**geo, sliding_window=3)).eval().double()
     cfg = LlamaConfig(**geo)
     cfg._attn_implementation = kind.split("-")[1]
     return LlamaForCausalLM(cfg).eval().double()
 
 
-@pytest.mark.parametrize("kind", ["llama-sdpa", "llama-eager", "qwen2-sliding"])
+@pytest.mark.parametrize("kind", ["llama-sdpa", "llama-eager", "qwen2-sliding", "mistral-sliding"])
 def test_tree_verify_forward_equals_per_path_forward(kind: str) -> None:
     """One tree forward gives every node the logits and taps of a plain forward over prefix + its path,
     and keep_kv leaves exactly the cache a plain forward over prefix + accepted path would build."""

@@ -101,3 +101,24 @@ def test_train_samples_is_a_fixed_nested_subset_of_any_shard_layout(prep: Path) 
     assert seen == {full.shards.sample_ids()[i] for i in nested_subset(full.shards.sample_ids(), 12)}
     with pytest.raises(ValueError, match="data.train_samples=99"):
         ShardBatches(prep / "train", cfg, 4, rank=0, world_size=1, subset=99)
+
+
+@pytest.mark.parametrize("world", [1, 2, 8])
+def test_held_out_split_smaller_than_its_batch_gives_a_smaller_last_batch(prep: Path, world: int) -> None:
+    """6 held-out samples, eval batch 8: one smaller batch, every sample once, none dropped; a rank the short batch
+    leaves nothing (8 ranks) still runs the step, on a blank row that holds no sample and no target."""
+    cfg = DataConfig(dir=str(prep))
+    with pytest.raises(ValueError, match="fewer than one batch of 8"):
+        ShardBatches(prep / "eval", cfg, 8, rank=0, world_size=1)  # training's rule: whole batches only
+    parts = [list(ShardBatches(prep / "eval", cfg, 8, rank=r, world_size=world, drop_last=False).epoch(0, shuffle=False))
+             for r in range(world)]
+    assert all(len(p) == 1 for p in parts)
+    batches = [p[0] for p in parts]
+    real = [sid for b in batches for sid, row in zip(b.sample_ids, b.valid) if row.any()]
+    assert sorted(real) == sorted(f"eval-{i}" for i in range(6))
+    assert len({b.input_ids.shape[1] for b in batches}) == 1  # the same step shape on every rank
+    blank = [b for b in batches if not b.valid.any()]
+    assert len(blank) == max(0, world - 6)
+    assert all(not b.loss_mask.any() and (b.input_ids == 0).all() for b in blank)
+    mixed = ShardBatches(prep / "eval", cfg, 4, rank=0, world_size=1, drop_last=False)
+    assert mixed.batches_per_epoch == 2 and [len(b) for b in mixed.epoch(0, shuffle=False)] == [4, 2]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -29,6 +28,7 @@ def draft_vocab(prep_dir: Path, size: int | None = None) -> tuple[torch.Tensor, 
 
 def drafter_config(cfg: ModelConfig, prep_dir: Path, tap_layers: list[int], max_len: int):
     """Eagle3Config from the target's config, the shards' tap layers and the overrides in `cfg`."""
+    from models.config import for_trained_length
     from models.eagle3 import Eagle3Config
 
     target = target_config(prep_dir)
@@ -36,20 +36,7 @@ def drafter_config(cfg: ModelConfig, prep_dir: Path, tap_layers: list[int], max_
     overrides = {k: getattr(cfg, k) for k in GEOMETRY_OVERRIDES if getattr(cfg, k) is not None}
     dcfg = Eagle3Config.from_target_config(target, draft_vocab_size=d2t.numel(), aux_layer_ids=tap_layers,
                                            fc_norm=cfg.fc_norm, norm_output=cfg.norm_output, **overrides)
-    # The export must declare at least the trained length (engines size their RoPE caches by it), and the
-    # target's rope scaling, pinned so that the larger max_position_embeddings cannot change the rotation.
-    max_pos = cfg.max_position_embeddings or max(max_len, dcfg.max_position_embeddings)
-    rope = pinned_rope_scaling(dcfg.rope_scaling, dcfg.max_position_embeddings)
-    return dataclasses.replace(dcfg, max_position_embeddings=max_pos, rope_scaling=rope)
-
-
-def pinned_rope_scaling(scaling: dict | None, target_max_pos: int) -> dict | None:
-    """`scaling` with what it derives from max_position_embeddings made explicit: YaRN without a `factor`
-    uses max_position_embeddings / original_max_position_embeddings (transformers, models/rope.py), which
-    would follow the drafter's own max_position_embeddings instead of the target's."""
-    if not scaling or scaling.get("rope_type") != "yarn" or scaling.get("factor"):
-        return scaling
-    return {**scaling, "factor": target_max_pos / scaling["original_max_position_embeddings"]}
+    return for_trained_length(dcfg, max_len, cfg.max_position_embeddings)
 
 
 def build_drafter(cfg: ModelConfig, prep_dir: Path, tap_layers: list[int], max_len: int, head) -> nn.Module:
@@ -60,7 +47,7 @@ def build_drafter(cfg: ModelConfig, prep_dir: Path, tap_layers: list[int], max_l
     drafter.load_target_embedding(head.embed_tokens_weight)
     drafter.set_vocab_mapping(*draft_vocab(prep_dir, cfg.draft_vocab_size))
     drafter.init_output_from_target(head.lm_head.weight if cfg.lm_head_init == "target" else None,
-                                    head.norm.weight if cfg.norm_init == "target" else None)
+                                    head.norm_weight_equivalent() if cfg.norm_init == "target" else None)
     drafter.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
     if drafter.embed_tokens.weight.requires_grad:
         raise RuntimeError("the target embedding inside the drafter must be frozen")

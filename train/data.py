@@ -154,11 +154,18 @@ class _Indexed(Dataset):
     def __len__(self) -> int:
         return len(self.items)
 
-    def __getitem__(self, item: tuple[int, int]):
-        index, length = item
+    def __getitem__(self, item: tuple[int, int, bool]):
+        index, length, blank = item
         sample, start = self.items[index]
         s = self.shards[sample]
-        return (window(s, start, self.max_len, self.overlap) if start else s), length
+        s = window(s, start, self.max_len, self.overlap) if start else s
+        return (_blank(s) if blank else s), length
+
+
+def _blank(sample):
+    """`sample` cut to no token: a batch row that is all padding (never valid, never a target)."""
+    return replace(sample, **{f.name: getattr(sample, f.name)[:0] for f in fields(sample)
+                              if isinstance(getattr(sample, f.name), torch.Tensor)})
 
 
 def _collate(items, max_len: int) -> Batch:
@@ -188,9 +195,11 @@ class ShardBatches:
         seed: int = 0,
         max_samples: int | None = None,
         subset: int | None = None,
+        drop_last: bool = True,
     ):
         """max_samples: only the first samples of the split (a fixed held-out subset); subset: a fixed,
-        nested subset of that many samples (`nested_subset`, data.train_samples)."""
+        nested subset of that many samples (`nested_subset`, data.train_samples). drop_last: an epoch is whole
+        batches only (training); False (held-out evaluation): the samples left over make a smaller last batch."""
         self.shards = ShardSet(root, verify=cfg.verify)
         self.cfg, self.batch_size, self.rank, self.world_size, self.seed = (
             cfg,
@@ -199,6 +208,7 @@ class ShardBatches:
             world_size,
             seed,
         )
+        self.drop_last = drop_last
         lengths = self.shards.lengths()
         chosen = range(len(lengths))[:max_samples]
         if subset is not None:
@@ -210,7 +220,7 @@ class ShardBatches:
         self.lengths = [min(lengths[i] - s, cfg.max_len) for i, s in self.items]  # per item
         if batch_size % world_size:
             raise ValueError(f"batch size {batch_size} is not a multiple of the world size {world_size}")
-        if len(self.lengths) < batch_size:
+        if len(self.lengths) < (batch_size if drop_last else 1):
             raise ValueError(f"{root}: {len(self.lengths)} samples, fewer than one batch of {batch_size}")
 
     @property
@@ -219,11 +229,13 @@ class ShardBatches:
 
     @property
     def batches_per_epoch(self) -> int:
-        return len(self.lengths) // self.batch_size
+        return (len(self.lengths) if self.drop_last else len(self.lengths) + self.batch_size - 1) // self.batch_size
 
     def epoch(self, epoch: int, start: int = 0, shuffle: bool = True) -> Iterator[Batch]:
         """This rank's part of global batches start.. of `epoch` (shuffle=False: eval order, by length)."""
         if shuffle:
+            if not self.drop_last:
+                raise ValueError("shuffled epochs are whole batches only (drop_last=True)")
             order = global_batches(
                 self.lengths, self.batch_size, self.seed, epoch, self.cfg.bucket, self.cfg.bucket_pool
             )
@@ -231,8 +243,11 @@ class ShardBatches:
             by_len = sorted(range(len(self.lengths)), key=lambda i: (-self.lengths[i], i))
             by_len = by_len[: self.batches_per_epoch * self.batch_size]
             order = [by_len[i : i + self.batch_size] for i in range(0, len(by_len), self.batch_size)]
+        # A smaller last batch may leave a rank nothing: it still runs the step (ZeRO-3 gathers parameters in
+        # every rank's forward), on a blank row.
         plan = [
-            [(i, max(self.lengths[j] for j in batch)) for i in rank_part(batch, self.rank, self.world_size)]
+            [(i, max(self.lengths[j] for j in batch), False) for i in rank_part(batch, self.rank, self.world_size)]
+            or [(batch[0], max(self.lengths[j] for j in batch), True)]
             for batch in order[start:]
         ]
         loader = DataLoader(

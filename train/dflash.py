@@ -264,7 +264,7 @@ class DFlashObjective:
         self.n_source_taps = len(source_taps)
 
     def build_drafter(self, prep_dir: Path, tap_layers: list[int], head: nn.Module) -> nn.Module:
-        from models.config import target_geometry
+        from models.config import for_trained_length, target_geometry
         from models.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
         from train.build import GEOMETRY_OVERRIDES, target_config
 
@@ -288,8 +288,7 @@ class DFlashObjective:
         dcfg = DFlashConfig.from_target_config(target, mask_token_id=mask, target_layer_ids=taps,
                                                num_hidden_layers=layers, block_size=self.settings.block_size,
                                                **overrides)
-        dcfg.max_position_embeddings = m.max_position_embeddings or max(self.cfg.data.max_len,
-                                                                        dcfg.max_position_embeddings)
+        dcfg = for_trained_length(dcfg, self.cfg.data.max_len, m.max_position_embeddings)
         drafter = DFlashDrafter(dcfg)
         drafter.load_target_weights(head.embed_tokens_weight, head.lm_head.weight)
         if m.norm_init == "target":
@@ -342,7 +341,7 @@ class DFlashObjective:
                 out["n_valid_k"] += t["valid"].sum(-1).cpu()
                 out["alpha_num"] += num
                 out["alpha_den"] += den
-                out["num_samples"] += len(batch)
+                out["num_samples"] += int(batch.valid.any(1).sum())  # a blank row (train/data.py) is no sample
         finally:
             module.train(was_training)
         return out

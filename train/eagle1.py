@@ -49,14 +49,15 @@ class Eagle1Objective:
         return cls(TTTSettings.from_train(cfg.train), TTTSettings.from_train(cfg.train, held_out=True), cfg)
 
     def build_drafter(self, prep_dir: Path, tap_layers: list[int], head: nn.Module) -> nn.Module:
+        from models.config import for_trained_length
         from models.eagle1 import Eagle1Config, Eagle1Drafter
         from train.build import GEOMETRY_OVERRIDES, target_config
 
         m, max_len = self.cfg.model, self.cfg.data.max_len
         target = target_config(prep_dir)
         overrides = {k: getattr(m, k) for k in GEOMETRY_OVERRIDES if getattr(m, k) is not None}
-        dcfg = Eagle1Config.from_target_config(target, **overrides)
-        dcfg.max_position_embeddings = m.max_position_embeddings or max(max_len, dcfg.max_position_embeddings)
+        dcfg = for_trained_length(Eagle1Config.from_target_config(target, **overrides), max_len,
+                                  m.max_position_embeddings)
         drafter = Eagle1Drafter(dcfg, attn_backend=m.attn_backend)
         drafter.load_target_weights(head.embed_tokens_weight, head.lm_head.weight)
         return drafter

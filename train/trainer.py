@@ -179,7 +179,7 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
     if eval_root is not None:
         eval_data = ShardBatches(
             eval_root, cfg.data, cfg.data.eval_batch_size, data_rank, data_world,
-            max_samples=cfg.data.eval_max_samples,
+            max_samples=cfg.data.eval_max_samples, drop_last=False,
         )
     elif rank == 0:
         log.warning("%s was prepared without a held-out split (eval_samples=0): this run trains without "

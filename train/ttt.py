@@ -344,7 +344,7 @@ def eval_sums(
             out["alpha_num"] += num
             out["alpha_den"] += den
             if start == 0:  # a sample split over ranks counts once, on the rank owning its start
-                out["num_samples"] += len(batch)
+                out["num_samples"] += int(batch.valid.any(1).sum())  # a blank row (train/data.py) is no sample
     finally:
         drafter.train(was_training)
     return out
@@ -418,8 +418,12 @@ class Eagle3Objective:
         from train.batch import tap_columns
         from train.build import build_drafter, target_config
 
-        default = default_aux_layer_ids(target_geometry(target_config(prep_dir))["num_target_layers"])
-        wanted = list(self.cfg.model.tap_layers or (default if set(default) <= set(tap_layers) else tap_layers))
+        try:
+            default = default_aux_layer_ids(target_geometry(target_config(prep_dir))["num_target_layers"])
+        except ValueError:  # a target too shallow for EAGLE-3's default taps: the drafter reads the shards'
+            default = []
+        wanted = list(self.cfg.model.tap_layers or (default if default and set(default) <= set(tap_layers)
+                                                    else tap_layers))
         self.columns, self.n_source_taps = tap_columns(tap_layers, wanted), len(tap_layers)
         return build_drafter(self.cfg.model, prep_dir, wanted, self.cfg.data.max_len, head)
 

@@ -1,0 +1,144 @@
+"""Prep-time proof that what a prep stores reproduces the target, checked before anything is generated or written.
+
+Training never sees the target again: it recomputes the teacher's logits from the stored final hidden state
+with the stored head (models/target_head.py) and reads the stored taps as the target's hidden states. So on a
+probe batch (the first conversations, rendered as the dataset wrote them, right after the target is loaded and
+before any regeneration) ONE forward of the whole target is compared with what the prep computes from it,
+at the positions the attention mask keeps:
+
+| piece | what the prep computes | the target's own |
+|---|---|---|
+| input embedding | head.embed(ids) (the scale drafters embed with) | hidden_states[0], decoder layer 0's input |
+| tap i | the capture hook after layer i (what the shards store) | hidden_states[i + 1] (what decoding reads) |
+| teacher | the capture hook after the last layer | the final norm's input |
+| final norm | head.norm(teacher) | the final norm's output |
+| LM head | head.logits(teacher) (norm, head, soft-capping) | the target's logits, and their argmax |
+
+Tolerance (max abs difference): 1e-4 in fp32 (and fp64); in bf16/fp16, HALF_ULPS units in the last place at the
+largest magnitude compared, since the head's kernels may round otherwise than the target's. The argmax must be
+the same at every position (in half precision: wherever the target's top two logits are further apart than the
+tolerance). A mismatch raises FidelityError naming the family and each piece that differs. What the shards then
+store is the capture rounded to the stored dtype (bf16 by default: data_prep/shards.py), a separate rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from data_prep.capture import HiddenStateCapture, pad_right
+from data_prep.chat import Dropped, render_conversation
+from data_prep.conversations import Conversation
+from models.target_head import TargetHead, final_norm
+
+FP32_ATOL = 1e-4
+HALF_ULPS = 2
+PROBE_SAMPLES = 2  # conversations in the probe batch
+PROBE_TOKENS = 128  # tokens kept of each: the probe holds [samples, tokens, V] logits twice (target's, head's)
+PIECE_HINTS = {
+    "input embedding": "the stored embedding scale (HeadSpec.embed_scale) is not the target's",
+    "tap": "the stored tap is not the hidden state HF's output_hidden_states gives for that layer, which is "
+           "what decoding feeds the drafter (data_prep/capture.py's hooks vs the layer layout)",
+    "teacher": "the stored teacher is not the last decoder layer's output the final norm reads",
+    "final norm": "the stored head rebuilds the final norm differently (HeadSpec.norm_class)",
+    "LM head": "the stored head's logits differ (LM head weights, soft-capping or a logit scale it lacks)",
+}
+
+
+class FidelityError(ValueError):
+    """What a prep would store does not reproduce the target's own computation."""
+
+
+def tolerance(dtype: torch.dtype, reference: Tensor) -> float:
+    if dtype in (torch.float32, torch.float64):
+        return FP32_ATOL
+    return HALF_ULPS * torch.finfo(dtype).eps * max(1.0, float(reference.abs().max()))
+
+
+def probe_batch(tokenizer, conversations: Sequence[Conversation], max_length: int,
+                template_kwargs: dict) -> tuple[Tensor, Tensor]:
+    """(input_ids, attention_mask) of the first PROBE_SAMPLES conversations, rendered with the chat template
+    (their text alone where the template refuses one), PROBE_TOKENS tokens at most each, right-padded."""
+    length = min(max_length, PROBE_TOKENS)
+    seqs = []
+    for conv in conversations[:PROBE_SAMPLES]:
+        r = render_conversation(tokenizer, conv.messages, max_length=length, template_kwargs=template_kwargs)
+        ids = (tokenizer("\n".join(m.content for m in conv.messages), add_special_tokens=False)["input_ids"]
+               if isinstance(r, Dropped) else r.input_ids)
+        if ids:
+            seqs.append(torch.tensor(ids[:length]))
+    if not seqs:
+        raise ValueError("no conversation gives a token to probe the target with")
+    return pad_right(seqs)
+
+
+def _kept(x: Tensor, keep: Tensor, device: torch.device) -> Tensor:
+    return x[keep.to(x.device)].to(device).float()
+
+
+def _max_diff(ours: Tensor, theirs: Tensor, keep: Tensor) -> tuple[float, Tensor]:
+    """(max abs difference at the kept positions, the target's values there)."""
+    a, b = _kept(ours, keep, ours.device), _kept(theirs, keep, ours.device)
+    return float((a - b).abs().max()), b
+
+
+@torch.no_grad()
+def check_fidelity(model: nn.Module, head: TargetHead, capture: HiddenStateCapture, input_ids: Tensor,
+                   attention_mask: Tensor) -> dict:
+    """Compare every piece (module docstring) on one forward of `model` over the probe batch; the measured
+    differences as a dict, or FidelityError naming the family and the pieces that differ."""
+    norm, seen = final_norm(model), {}
+    hooks = [norm.register_forward_pre_hook(lambda _m, args: seen.__setitem__("norm_in", args[0])),
+             norm.register_forward_hook(lambda _m, _a, out: seen.__setitem__("norm_out", out))]
+    try:
+        got, out = capture.with_reference(input_ids, attention_mask)
+    finally:
+        for h in hooks:
+            h.remove()
+    keep = attention_mask.bool()
+    layers, hs = capture.num_layers, out.hidden_states
+    dtype = got.final_hidden.dtype
+    family = head.family
+    if hs is None or len(hs) != layers + 1:
+        raise FidelityError(f"{family}: output_hidden_states gives {0 if hs is None else len(hs)} entries, not "
+                            f"{layers + 1} (the embedding output + one per decoder layer): its taps cannot be checked")
+    hidden = got.final_hidden.shape[-1]
+    pairs: list[tuple[str, Tensor, Tensor]] = [
+        ("input embedding", head.embed(input_ids.to(head.embed_tokens.weight.device)), hs[0]),
+    ]
+    for j, layer in enumerate(capture.tap_layers):
+        # the last layer's entry in hidden_states is after the final norm; its output is the norm's input
+        ref = hs[layer + 1] if layer < layers - 1 else seen["norm_in"]
+        pairs.append((f"tap {layer}", got.taps[..., j * hidden:(j + 1) * hidden], ref))
+    pairs += [("teacher", got.final_hidden, seen["norm_in"]),
+              ("final norm", head.norm(got.final_hidden), seen["norm_out"]),
+              ("LM head", head.logits(got.final_hidden), out.logits)]
+    result: dict = {"family": family, "dtype": str(dtype).removeprefix("torch."), "tokens": int(keep.sum()),
+                    "max_abs_diff": {}, "tolerance": {}}
+    failed = []
+    for piece, ours, theirs in pairs:
+        diff, ref = _max_diff(ours, theirs, keep)
+        tol = tolerance(dtype, ref)
+        result["max_abs_diff"][piece], result["tolerance"][piece] = diff, tol
+        if not diff <= tol:
+            hint = PIECE_HINTS["tap" if piece.startswith("tap ") else piece]
+            failed.append(f"{piece}: max abs difference {diff:.4g} > {tol:.3g} ({hint})")
+    ours_top = _kept(pairs[-1][1], keep, pairs[-1][1].device)
+    ref_logits = _kept(out.logits, keep, ours_top.device)
+    same = ours_top.argmax(-1) == ref_logits.argmax(-1)
+    top2 = ref_logits.topk(2, dim=-1).values
+    decisive = (top2[:, 0] - top2[:, 1]) > (0.0 if dtype in (torch.float32, torch.float64)
+                                             else result["tolerance"]["LM head"])
+    result["argmax_agreement"] = float(same.float().mean())
+    if not bool(same[decisive].all()):
+        failed.append(f"LM head: argmax differs at {int((~same & decisive).sum())} of {int(decisive.sum())} "
+                      "positions")
+    if failed:
+        arch = type(model).__name__
+        raise FidelityError(f"fidelity check failed for the {family} target ({arch}, {result['dtype']}): what the "
+                            "prep would store does not reproduce the target's own computation on the probe batch "
+                            f"({result['tokens']} tokens), so prep stops before regenerating or writing anything. "
+                            "Differs: " + "; ".join(failed))
+    return result
