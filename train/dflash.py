@@ -295,7 +295,7 @@ class DFlashObjective:
             # the frozen LM head was trained behind the target's norm (SmolLM2's weights average ~1.8):
             # a norm of ones would start the logits that much too cold
             with torch.no_grad():
-                drafter.norm.weight.copy_(head.norm.weight)
+                drafter.norm.weight.copy_(head.norm_weight_equivalent())
         drafter.checkpoint_layers = self.cfg.train.checkpoint_layer
         return drafter
 
