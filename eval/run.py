@@ -47,15 +47,15 @@ def stop_token_ids(model, tokenizer, template_kwargs: dict | None = None) -> tup
 def load_drafter(export_dir: str, target_model, device: str, dtype: torch.dtype):
     """Any family's export (models/registry.py), with the target's frozen tensors (embedding, LM head)."""
     from models.registry import family_of_export
-    from models.target_head import scaled_embedding_weight
+    from models.target_head import EMBED_KEY, LM_HEAD_KEY, scaled_embedding_weight
 
     raw = json.loads((Path(export_dir) / "config.json").read_text())
     embed = scaled_embedding_weight(target_model)  # as the target embeds (Gemma: times sqrt(hidden))
     text_cfg = target_model.config.get_text_config()
     head = target_model.get_output_embeddings()
-    weights = {"embed_tokens.weight": embed.detach().cpu()}
+    weights = {EMBED_KEY: embed.detach().cpu()}
     if head is not None:
-        weights["lm_head.weight"] = head.weight.detach().cpu()
+        weights[LM_HEAD_KEY] = head.weight.detach().cpu()
     drafter = family_of_export(raw).load_export(
         export_dir, target_weights=weights, target_num_layers=int(text_cfg.num_hidden_layers), dtype=dtype
     )

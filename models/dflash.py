@@ -45,13 +45,13 @@ from models.config import rope_from_hf, target_geometry
 from models.eagle3 import Eagle3MLP, RMSNorm
 from models.export import check_keys, read_weights, write_export
 from models.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, apply_rope
+from models.target_head import EMBED_AND_LM_HEAD, EMBED_KEY, LM_HEAD_KEY
 
 __all__ = ["DFlashCache", "DFlashConfig", "DFlashDrafter", "default_target_layer_ids", "load_export", "save_export"]
 
 ARCHITECTURE = "DFlashDraftModel"
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-FROZEN_KEYS = ("embed_tokens.weight", "lm_head.weight")  # the target's; = models.registry frozen_keys
 # dflash_config switches of other DFlash variants (SGLang's parser knows them); only their absence is implemented.
 _UNSUPPORTED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "projector_type",
                 "attention_sink_bias", "final_logit_softcapping")
@@ -461,7 +461,7 @@ def load_export(
     d = Path(export_dir)
     cfg = DFlashConfig.from_hf_dict(json.loads((d / CONFIG_FILE).read_text()), target_num_layers)
     tensors = read_weights(d)
-    stored = {k: tensors.pop(k) for k in FROZEN_KEYS if k in tensors}  # some public exports carry them
+    stored = {k: tensors.pop(k) for k in EMBED_AND_LM_HEAD if k in tensors}  # some public exports carry them
     check_keys(tensors, export_keys(cfg), f"a {ARCHITECTURE} checkpoint of this config")
     drafter = DFlashDrafter(cfg, attn_backend=attn_backend).to(dtype)
     state = drafter.state_dict()
@@ -470,8 +470,8 @@ def load_export(
             raise ValueError(f"{key}: checkpoint shape {tuple(value.shape)} != config shape {tuple(state[key].shape)}")
     drafter.load_state_dict({**state, **tensors}, strict=True)  # casts to the drafter's dtype
     given = {**stored, **(target_weights or {})}
-    embed = given.get("embed_tokens.weight")
-    head = given.get("lm_head.weight", embed)  # tied targets share one matrix
+    embed = given.get(EMBED_KEY)
+    head = given.get(LM_HEAD_KEY, embed)  # tied targets share one matrix
     if embed is not None and head is not None:
         drafter.load_target_weights(embed.to(dtype), head.to(dtype))
     else:

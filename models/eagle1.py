@@ -29,11 +29,11 @@ from models.config import rope_from_hf, target_geometry
 from models.eagle3 import Eagle3Attention, Eagle3MLP, RMSNorm
 from models.export import check_keys, read_weights, write_export
 from models.rope import RotaryEmbedding
+from models.target_head import EMBED_KEY, LM_HEAD_KEY
 
 ARCHITECTURE = "LlamaForCausalLM"  # what public EAGLE-1 drafters declare (vLLM maps it to its Eagle class)
 FINAL_FEATURE = -1  # tap id of the target's post-norm top-layer feature (eval.target.FINAL_FEATURE)
 WEIGHTS_FILE, CONFIG_FILE = "model.safetensors", "config.json"
-TARGET_KEYS = ("embed_tokens.weight", "lm_head.weight")
 
 
 @dataclass
@@ -200,13 +200,13 @@ def load_export(
     d = Path(export_dir)
     cfg = Eagle1Config.from_hf_dict(json.loads((d / CONFIG_FILE).read_text()))
     tensors = read_weights(d)
-    stored_embed = tensors.pop("embed_tokens.weight", None)
+    stored_embed = tensors.pop(EMBED_KEY, None)
     check_keys(tensors, export_keys(cfg), "an EAGLE-1 drafter")
     drafter = Eagle1Drafter(cfg, attn_backend=attn_backend).to(dtype)
     drafter.load_state_dict({**drafter.state_dict(), **tensors}, strict=True)
     weights = dict(target_weights or {})
-    embed = weights.get("embed_tokens.weight", stored_embed)
-    if embed is None or "lm_head.weight" not in weights:
+    embed = weights.get(EMBED_KEY, stored_embed)
+    if embed is None or LM_HEAD_KEY not in weights:
         raise ValueError("EAGLE-1 decodes with the target's embedding and LM head: pass target_weights")
-    drafter.load_target_weights(embed.to(dtype), weights["lm_head.weight"].to(dtype))
+    drafter.load_target_weights(embed.to(dtype), weights[LM_HEAD_KEY].to(dtype))
     return drafter

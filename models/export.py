@@ -18,10 +18,10 @@ from torch import Tensor
 
 from models.config import Eagle3Config
 from models.eagle3 import Eagle3Drafter
+from models.target_head import EMBED_KEY
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-EMBED_KEY = "embed_tokens.weight"
 
 
 def export_keys(cfg: Eagle3Config | None = None) -> list[str]:

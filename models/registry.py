@@ -20,6 +20,7 @@ from types import ModuleType
 from torch import Tensor, nn
 
 from models.config import ARCHITECTURE_ALIASES
+from models.target_head import EMBED_AND_LM_HEAD, EMBED_KEY
 
 
 @dataclass(frozen=True)
@@ -83,17 +84,17 @@ class DrafterFamily:
 FAMILIES: dict[str, DrafterFamily] = {
     "eagle3": DrafterFamily(
         "eagle3", "models.eagle3", "Eagle3Config", "Eagle3Drafter", "models.export",
-        tuple(ARCHITECTURE_ALIASES), ("embed_tokens.weight",),
+        tuple(ARCHITECTURE_ALIASES), (EMBED_KEY,),
         "train.ttt:Eagle3Objective", "eval.drafting:EagleDrafting",
     ),
     "eagle1": DrafterFamily(
         "eagle1", "models.eagle1", "Eagle1Config", "Eagle1Drafter", "models.eagle1",
-        ("LlamaForCausalLM", "EagleLlamaForCausalLM"), ("embed_tokens.weight", "lm_head.weight"),
+        ("LlamaForCausalLM", "EagleLlamaForCausalLM"), EMBED_AND_LM_HEAD,
         "train.eagle1:Eagle1Objective", "eval.drafting:EagleDrafting",
     ),
     "dflash": DrafterFamily(
         "dflash", "models.dflash", "DFlashConfig", "DFlashDrafter", "models.dflash",
-        ("DFlashDraftModel",), ("embed_tokens.weight", "lm_head.weight"),
+        ("DFlashDraftModel",), EMBED_AND_LM_HEAD,
         "train.dflash:DFlashObjective", "eval.dflash_drafting:DFlashDrafting",
     ),
 }

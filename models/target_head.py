@@ -31,7 +31,11 @@ from torch import Tensor, nn
 
 from models.eagle3 import RMSNorm
 
-KEYS = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
+# The names of the target's own tensors, everywhere a drafter holds, checkpoints, exports or loads them.
+EMBED_KEY, NORM_KEY, LM_HEAD_KEY = "embed_tokens.weight", "norm.weight", "lm_head.weight"
+KEYS = (EMBED_KEY, NORM_KEY, LM_HEAD_KEY)
+# What a drafter that reuses the target's LM head (EAGLE-1, DFlash) holds frozen of it.
+EMBED_AND_LM_HEAD = (EMBED_KEY, LM_HEAD_KEY)
 FORMAT = 2
 # Norm classes are imported by the path a prep file names; only from these packages, so that a data file
 # can never make the loader import arbitrary code.
