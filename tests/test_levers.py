@@ -143,7 +143,7 @@ def test_levers_train_checkpoint_and_export_under_zero3(tmp_path: Path) -> None:
     cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "+exp=debug", f"data.dir={prep}", f"out_dir={out}",
            "train.max_steps=2", "train.save_interval=1", "data.max_len=64", "data.eval_batch_size=2",
            "+lever=head_frozen", "model.fc_norm=true", "model.norm_output=true", "model.draft_vocab_size=20",
-           "train.schedule=wsd", "train.feature_noise=0.05"]
+           "train.schedule=wsd", "train.feature_noise=0.05", "train.accept_loss=log"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-5000:]
     head = load_file(str(prep / "target_head.safetensors"))

@@ -34,6 +34,24 @@ def test_every_exp_preset_composes_and_validates(preset: str) -> None:
     assert cfg.data.dir == "/nonexistent/prep"
 
 
+@pytest.mark.parametrize("lever", sorted(p.stem for p in (CONF / "lever").glob("*.yaml")))
+def test_every_lever_preset_composes_on_the_demo_recipe(lever: str) -> None:
+    cfg = _compose(["+exp=eagle3_demo", f"+lever={lever}"])
+    assert cfg.validate(world_size=2) is cfg
+
+
+def test_acceptance_term_reaches_the_training_settings_only() -> None:
+    from train.ttt import TTTSettings
+
+    cfg = _compose(["+exp=eagle3_demo", "+lever=lk_tv", "train.accept_loss_weight=0.3"])
+    settings = TTTSettings.from_train(cfg.train)
+    assert (settings.accept.kind, settings.accept.weight, settings.accept.active) == ("tv", 0.3, True)
+    assert not TTTSettings.from_train(cfg.train, held_out=True).accept.active  # held-out loss_k stays CE
+    assert not TTTSettings.from_train(_compose([]).train).accept.active
+    with pytest.raises(ConfigError, match="train.accept_loss"):
+        _compose(["train.accept_loss=kl"]).validate(world_size=1)
+
+
 def test_presets_are_deltas() -> None:
     base, ttt, debug = _compose([]), _compose(["+exp=eagle3_ttt"]), _compose(["+exp=debug"])
     assert (base.train.ttt_steps, base.train.loss_decay, base.deepspeed.zero_stage) == (7, 0.8, 3)

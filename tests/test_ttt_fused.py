@@ -12,7 +12,7 @@ from test_ttt_loss import setup as loss_setup
 from test_ttt_stubs import random_batch
 
 from models.eagle3 import RMSNorm
-from train.loss import TeacherRows, chunked_terms, fused_terms
+from train.loss import NO_ACCEPT, AcceptTerm, TeacherRows, chunked_terms, fused_terms
 from train.ttt import TTTSettings, count_valid, ttt_loss
 
 KINDS = ["hidden", "topk", "argmax"]
@@ -23,9 +23,13 @@ def close(a, b, what=""):
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=what)
 
 
-def autograd_path(drafter, head, hiddens, rows, reachable, maps, scale):
-    ce, acc, min_pq, valid, correct = chunked_terms(drafter, head, hiddens, rows, reachable, maps, N)
-    return (scale * ce).sum(), ce, acc, min_pq, valid, correct
+ACCEPTS = {"none": NO_ACCEPT, "tv": AcceptTerm("tv", 0.7), "log": AcceptTerm("log", 0.4, floor=0.05)}
+
+
+def autograd_path(drafter, head, hiddens, rows, reachable, maps, scale, accept=NO_ACCEPT):
+    ce, acc, min_pq, term, valid, correct = chunked_terms(drafter, head, hiddens, rows, reachable, maps, N,
+                                                          accept=accept)
+    return (scale * (ce + accept.weight * term)).sum(), ce, acc, min_pq, valid, correct
 
 
 def make_loss_case(kind, norm_kind="layer"):
@@ -40,17 +44,21 @@ def make_loss_case(kind, norm_kind="layer"):
     return maps, head, rows, reachable, hiddens, drafter, scale
 
 
-@pytest.mark.parametrize("norm_kind", ["layer", "rms"])
+# The acceptance term does not depend on the norm's kind: the layer-norm case covers it.
+@pytest.mark.parametrize(("norm_kind", "accept"), [("layer", "none"), ("rms", "none"), ("layer", "tv"), ("layer", "log")])
 @pytest.mark.parametrize("kind", KINDS)
-def test_fused_terms_equal_autograd_terms_and_grads(kind, norm_kind):
+def test_fused_terms_equal_autograd_terms_and_grads(kind, norm_kind, accept):
+    """The fused gradient of CE (+ the acceptance term, derived by hand there) against autograd's."""
+    accept = ACCEPTS[accept]
     maps, head, rows, reachable, hiddens, drafter, scale = make_loss_case(kind, norm_kind)
     params = [*hiddens, drafter.lm_head.weight, *drafter.norm.parameters()]
-    ref = autograd_path(drafter, head, hiddens, rows, reachable, maps, scale)
+    ref = autograd_path(drafter, head, hiddens, rows, reachable, maps, scale, accept)
     assert 0 < int(ref[4].sum()) < K * N and not ref[4][:, :4].any()
     ref_grads = torch.autograd.grad(ref[0], params)
     for chunk in CHUNKS:
         head.rows_seen.clear()
-        out = fused_terms(drafter.norm, drafter.lm_head.weight, hiddens, head, rows, reachable, maps, chunk, scale)
+        out = fused_terms(drafter.norm, drafter.lm_head.weight, hiddens, head, rows, reachable, maps, chunk, scale,
+                          accept=accept)
         if kind == "hidden":  # the teacher runs once per chunk: no recompute
             assert head.rows_seen == [min(chunk, N - s) for s in range(0, N, chunk)]
         for name, got, want in zip(("loss", "ce", "acc", "min_pq"), out, ref):
@@ -166,3 +174,46 @@ def test_teacher_targets_from_count_valid_give_the_same_loss_and_grads(kind):
             assert torch.equal(p.grad, ref[2][name]), name
     tight = TTTSettings(steps=3, chunk_size=5, teacher_cache_mb=0)
     assert count_valid(head, batch, tight, drafter, return_targets=True)[1] is None  # too big: recomputed
+
+
+def test_acceptance_term_is_its_definition_and_changes_the_loss():
+    """Σ over valid rows of 1 − Σ min(p, q) and −log α, from a naive loop; the loss moves by β times it."""
+    maps, head, rows, reachable, hiddens, drafter, scale = make_loss_case("hidden")
+    with torch.no_grad():
+        ce, acc, min_pq, term_tv, valid, _ = chunked_terms(drafter, head, hiddens, rows, reachable, maps, N,
+                                                           accept=AcceptTerm("tv", 1.0))
+        term_log = chunked_terms(drafter, head, hiddens, rows, reachable, maps, N, accept=AcceptTerm("log", 1.0))[3]
+        full = head.logits(rows.hidden).softmax(-1)  # [N, V] the target's p
+        want_tv, want_log = torch.zeros(K), torch.zeros(K)
+        for k in range(K):
+            q = drafter.compute_logits(hiddens[k]).softmax(-1)  # [N, Vd]
+            for i in range(N):
+                if valid[k, i]:
+                    alpha = sum(min(float(full[i, int(maps.draft_to_target[v])]), float(q[i, v])) for v in range(q.shape[1]))
+                    want_tv[k] += 1 - alpha
+                    want_log[k] += -torch.log(torch.tensor(max(alpha, 1e-3)))
+        torch.testing.assert_close(term_tv, want_tv, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(term_log, want_log, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(term_tv, valid.sum(-1).double().float() - min_pq.float(), rtol=1e-5, atol=1e-5)
+        plain = fused_terms(drafter.norm, drafter.lm_head.weight, hiddens, head, rows, reachable, maps, 4, scale)[0]
+        tv = fused_terms(drafter.norm, drafter.lm_head.weight, hiddens, head, rows, reachable, maps, 4, scale,
+                         accept=AcceptTerm("tv", 0.5))[0]
+        torch.testing.assert_close(tv - plain, 0.5 * (scale * want_tv).sum(), rtol=1e-5, atol=1e-6)
+    assert float(want_tv.sum()) > 0 and not AcceptTerm("tv", 0.0).active and not NO_ACCEPT.active
+    with pytest.raises(ValueError, match="kind"):
+        AcceptTerm("kl", 1.0)
+
+
+def test_ttt_loss_with_the_acceptance_term_fused_equals_autograd():
+    drafter, head = tiny()
+    batch = random_batch("hidden", [13, 9], V_TINY, H_TINY, head=head, seed=3)
+    accept = AcceptTerm("log", 0.5)
+    ref_settings = TTTSettings(steps=3, chunk_size=10**6, fused_head=False, checkpoint_chunks=False, accept=accept)
+    ref = loss_and_grads(drafter, head, batch, ref_settings)
+    plain = loss_and_grads(drafter, head, batch, TTTSettings(steps=3, chunk_size=5))
+    got = loss_and_grads(drafter, head, batch, TTTSettings(steps=3, chunk_size=5, accept=accept))
+    close(got[0], ref[0], "loss")
+    assert float(got[0]) > float(plain[0])  # −log α > 0 is added
+    torch.testing.assert_close(got[1]["ce_sum"], plain[1]["ce_sum"])  # the reported CE stays CE
+    for name, g in got[2].items():
+        close(g, ref[2][name], name)

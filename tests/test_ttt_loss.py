@@ -96,7 +96,7 @@ def test_chunked_matches_dense_reference_and_gradients(kind):
     for chunk in (1, 3, 4, N, 2 * N):  # 3 and 4 do not divide N = 11
         for ckpt in (True, False):
             head.rows_seen.clear()
-            ce, acc, min_pq, valid, correct = chunked_terms(
+            ce, acc, min_pq, _, valid, correct = chunked_terms(
                 drafter, head, hiddens, rows, reachable, maps, chunk, ckpt
             )
             torch.testing.assert_close(ce, ref["ce"], rtol=1e-5, atol=1e-6)
@@ -123,7 +123,7 @@ def test_masked_rows_get_no_gradient_and_empty_input_is_zero():
 
     empty = TeacherRows("hidden", hidden=torch.zeros(0, H))
     hs = [torch.zeros(0, H, requires_grad=True) for _ in range(K)]
-    ce, acc, min_pq, valid, correct = chunked_terms(
+    ce, acc, min_pq, _, valid, correct = chunked_terms(
         drafter, head, hs, empty, torch.zeros(K, 0, dtype=torch.bool), maps, 4
     )
     assert ce.shape == (K,) and float(ce.detach().abs().sum()) == 0.0 and valid.shape == (K, 0)
@@ -152,7 +152,7 @@ def test_argmax_teacher_by_hand():
 
     rows = TeacherRows("argmax", argmax=torch.tensor([0, 3, 4]))  # target 4 is not in the draft vocab
     h = logits.clone().requires_grad_(True)
-    ce, acc, min_pq, valid, correct = chunked_terms(
+    ce, acc, min_pq, _, valid, correct = chunked_terms(
         Fixed(), None, [h], rows, torch.ones(1, 3, dtype=torch.bool), maps, 2
     )
     q = logits.softmax(-1)

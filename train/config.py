@@ -23,6 +23,7 @@ DIST_BACKENDS = ("auto", "nccl", "gloo")
 WANDB_MODES = ("offline", "online", "disabled")
 OVERFLOW = ("truncate", "split")
 SCHEDULES = ("cosine", "wsd")
+ACCEPT_KINDS = ("none", "tv", "log")  # train.accept_loss: train/loss.py AcceptTerm
 
 
 @dataclass
@@ -105,6 +106,10 @@ class TrainConfig:
     # Gaussian noise on the target features while training (held-out evals see clean ones): std as a
     # fraction of each tap row's RMS, so one value suits every target width. 0 = off.
     feature_noise: float = 0.0
+    # An acceptance term added to every row's CE (train/loss.py AcceptTerm, docs/method.md §4.7): none | tv
+    # (β·(1 − α)) | log (β·(−log α)), α = Σ min(p, q) the row's acceptance probability; β the weight.
+    accept_loss: str = "none"
+    accept_loss_weight: float = 1.0
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
@@ -209,6 +214,9 @@ class RunConfig:
             raise ConfigError(f"train.decay_ratio must be in (0, 1], got {t.decay_ratio}")
         if t.feature_noise < 0:
             raise ConfigError(f"train.feature_noise must be >= 0, got {t.feature_noise}")
+        _one_of("train.accept_loss", t.accept_loss, ACCEPT_KINDS)
+        if t.accept_loss_weight < 0:
+            raise ConfigError(f"train.accept_loss_weight must be >= 0, got {t.accept_loss_weight}")
         if m.method != "eagle3":
             also = DFLASH_LEVERS if m.method == "dflash" else ()
             changed = [k for k, default in EAGLE3_LEVERS.items() if getattr(m, k) != default and k not in also]

@@ -18,6 +18,10 @@ Teacher kinds (docs/method.md §4.3):
   over the top-k entries that are in the draft vocab; p for Σ min(p, q) = softmax over all k stored
   logits (mass outside the top-k is treated as 0, so min_pq is a slight under-estimate).
 - "argmax": hard label. CE against the draft id of the argmax; p = one-hot, so Σ min(p, q) = q(argmax).
+
+Acceptance term (optional, `AcceptTerm`; docs/method.md §4.7): each row's loss is CE + β·A(α) with
+α = Σ min(p, q), the probability that a sampled draft from q is accepted against p: A = 1 − α ("tv", the
+total-variation distance on the draft ids) or −log α ("log"). Both paths add it; the reported CE stays CE.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+
+from train.config import ACCEPT_KINDS
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,43 @@ class VocabMaps:
     @classmethod
     def from_drafter(cls, drafter: nn.Module) -> VocabMaps:
         return cls.build(drafter.d2t, drafter.t2d)
+
+
+@dataclass(frozen=True)
+class AcceptTerm:
+    """β·A(α) added to every row's CE, α = Σ_draft ids min(p, q) (p: the target's full-vocab probabilities at
+    the draft ids, so mass outside the draft vocabulary is never acceptable).
+    "tv": A = 1 − α. "log": A = −log max(α, floor); below the floor the term is constant (no gradient), which
+    keeps the 1/α of its gradient bounded while a fresh drafter puts almost no mass on the target's tokens."""
+
+    kind: str = "none"
+    weight: float = 0.0
+    floor: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if self.kind not in ACCEPT_KINDS:
+            raise ValueError(f"acceptance term kind must be one of {ACCEPT_KINDS}, got {self.kind!r}")
+        if self.weight < 0 or not 0 < self.floor < 1:
+            raise ValueError(f"acceptance term needs weight >= 0 and floor in (0, 1), got {self.weight}, {self.floor}")
+
+    @property
+    def active(self) -> bool:
+        return self.kind != "none" and self.weight > 0
+
+    def value(self, alpha: Tensor) -> Tensor:
+        """A(α) per row (differentiable: the autograd path's definition)."""
+        if self.kind == "tv":
+            return 1.0 - alpha
+        return -torch.log(alpha.clamp_min(self.floor))
+
+    def slope(self, alpha: Tensor) -> Tensor:
+        """dA/dα per row (the fused path's)."""
+        if self.kind == "tv":
+            return torch.full_like(alpha, -1.0)
+        return torch.where(alpha > self.floor, -1.0 / alpha.clamp_min(self.floor), 0.0)
+
+
+NO_ACCEPT = AcceptTerm()
 
 
 @dataclass
@@ -150,14 +193,22 @@ def teacher_target(head: nn.Module, rows: TeacherRows, maps: VocabMaps) -> Targe
     return Target(argmax, maps.t2d[argmax], ones, ones, ids=draft)
 
 
-def step_ce(logits: Tensor, target: Target, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """(Σ over rows in `mask` of −Σ_x p̃(x) log q(x), log q [c, Vd]) for one TTT step."""
+def step_ce(
+    logits: Tensor, target: Target, mask: Tensor, accept: AcceptTerm = NO_ACCEPT
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(Σ over rows in `mask` of −Σ_x p̃(x) log q(x), of the acceptance term A(α), log q [c, Vd]) for one
+    TTT step; the A sum is 0 when `accept` is off."""
     logq = F.log_softmax(logits.float(), dim=-1)  # [c, Vd]
     if target.ids is None:
         ce = -(target.p_tilde * logq).sum(-1)
     else:
         ce = -(target.p_tilde * logq.gather(-1, target.ids)).sum(-1)
-    return torch.where(mask, ce, 0.0).sum(), logq
+    if not accept.active:
+        return torch.where(mask, ce, 0.0).sum(), ce.new_zeros(()), logq
+    q = logq.exp()
+    q_at = q if target.ids is None else q.gather(-1, target.ids)
+    term = accept.value(torch.minimum(target.p_draft, q_at).sum(-1))
+    return torch.where(mask, ce, 0.0).sum(), torch.where(mask, term, 0.0).sum(), logq
 
 
 @torch.no_grad()
@@ -179,20 +230,21 @@ def chunk_terms(
     rows: TeacherRows,
     reachable: Tensor,
     maps: VocabMaps,
+    accept: AcceptTerm = NO_ACCEPT,
 ) -> tuple[Tensor, ...]:
     """One chunk of c target rows for all K steps.
 
     hiddens[k]: [c, H] drafter output of step k at the position that predicts each row's target;
     reachable: bool [K, c], True where step k has a real input for the row and the target is a
     candidate (loss-masked, inside the sequence). Adds the in-draft-vocab condition.
-    Returns (ce [K], acc [K], min_pq [K], valid bool [K, c], correct bool [K, c]).
+    Returns (ce [K], acc [K], min_pq [K], accept_term [K], valid bool [K, c], correct bool [K, c]).
     """
     target = teacher_target(head, rows, maps)
     mask = reachable & target.in_vocab  # [K, c]
-    ce, logqs = zip(*(step_ce(drafter.compute_logits(h), target, m) for h, m in zip(hiddens, mask)))
+    ce, term, logqs = zip(*(step_ce(drafter.compute_logits(h), target, m, accept) for h, m in zip(hiddens, mask)))
     # Metrics last: checkpoint's recompute stops once the last saved tensor is rebuilt, so it skips them.
     acc, min_pq, correct = zip(*(step_metrics(lq.detach(), target, m, maps) for lq, m in zip(logqs, mask)))
-    return torch.stack(ce), torch.stack(acc), torch.stack(min_pq), mask, torch.stack(correct)
+    return torch.stack(ce), torch.stack(acc), torch.stack(min_pq), torch.stack(term), mask, torch.stack(correct)
 
 
 def chunked_terms(
@@ -204,8 +256,10 @@ def chunked_terms(
     maps: VocabMaps,
     chunk_size: int,
     use_checkpoint: bool = True,
+    accept: AcceptTerm = NO_ACCEPT,
 ) -> tuple[Tensor, ...]:
     """`chunk_terms` over N rows, `chunk_size` rows at a time: sums added, [K, c] masks concatenated.
+    Returns (ce, acc, min_pq, accept_term, valid, correct); the loss of a step is ce + accept.weight·accept_term.
 
     With `use_checkpoint` (and grad enabled) each chunk is activation-checkpointed, so at most one
     chunk's vocabulary-sized tensors are alive in forward and in backward.
@@ -221,9 +275,9 @@ def chunked_terms(
     for i, (r, m) in enumerate(zip(r_chunks, m_chunks)):
         hs = [c[i] for c in h_chunks]
         if use_checkpoint and grad:
-            out = checkpoint(chunk_terms, drafter, head, hs, r, m, maps, use_reentrant=False)
+            out = checkpoint(chunk_terms, drafter, head, hs, r, m, maps, accept, use_reentrant=False)
         else:
-            out = chunk_terms(drafter, head, hs, r, m, maps)
+            out = chunk_terms(drafter, head, hs, r, m, maps, accept)
         *sums, valid, correct = out
         totals = sums if totals is None else [a + b for a, b in zip(totals, sums)]
         valids.append(valid)
@@ -259,6 +313,7 @@ class FusedSpec:
     chunk_size: int
     scale: Tensor | None  # [K] loss weight of step k's CE sum; None: no loss/gradients (evaluation)
     targets: list[Target] | None = None  # per-chunk teacher targets computed earlier (count_valid)
+    accept: AcceptTerm = NO_ACCEPT  # β·A(α) added to each row's CE
 
 
 def _row_ce_and_min_pq(logq: Tensor, target: Target) -> tuple[Tensor, Tensor, Tensor]:
@@ -272,13 +327,27 @@ def _row_ce_and_min_pq(logq: Tensor, target: Target) -> tuple[Tensor, Tensor, Te
     return ce, torch.minimum(target.p_draft, q.gather(-1, target.ids)).sum(-1), q
 
 
-def _logits_grad_(q: Tensor, target: Target, p_sum: Tensor, coef: Tensor) -> Tensor:
-    """d(Σ_rows coef·CE_row)/d logits = coef·(q·Σp̃ − p̃), written into q (which is consumed)."""
-    q.mul_((coef * p_sum)[:, None])
+def _logits_grad_(
+    q: Tensor, target: Target, p_sum: Tensor, coef: Tensor, alpha_coef: Tensor | None = None
+) -> Tensor:
+    """d(Σ_rows coef·CE_row + alpha_coef·α_row)/d logits, written into q (which is consumed).
+
+    dCE/dz = q·Σp̃ − p̃; dα/dz = q⊙u − q·Σ(q⊙u) with u = [q < p] at the draft ids (α = Σ min(p, q))."""
+    row = coef * p_sum
+    qu = None
+    if alpha_coef is not None:
+        q_at = q if target.ids is None else q.gather(-1, target.ids)
+        qu = q_at * (q_at < target.p_draft)  # a new tensor: q is overwritten below
+        row = row - alpha_coef * qu.sum(-1)
+    q.mul_(row[:, None])
     if target.ids is None:
-        return q.addcmul_(target.p_tilde, coef[:, None], value=-1.0)
+        q.addcmul_(target.p_tilde, coef[:, None], value=-1.0)
+        return q if qu is None else q.addcmul_(qu, alpha_coef[:, None])
     # scatter_add: padded sparse entries share id 0 with weight 0, duplicates must add.
-    return q.scatter_add_(-1, target.ids, target.p_tilde * -coef[:, None])
+    vals = target.p_tilde * -coef[:, None]
+    if qu is not None:
+        vals = vals + qu * alpha_coef[:, None]
+    return q.scatter_add_(-1, target.ids, vals)
 
 
 def _subset(target: Target, idx: Tensor) -> Target:
@@ -292,7 +361,7 @@ def _head_pass(
 ) -> tuple[Tensor, ...]:
     """The fused forward. h: [K, N, H] un-normed rows; need = (h, weight, *norm_params) needs grad.
 
-    Returns (ce [K], acc [K], min_pq [K], valid [K, N], correct [K, N], grad_h, grad_weight,
+    Returns (ce [K], acc [K], min_pq [K], accept_term [K], valid [K, N], correct [K, N], grad_h, grad_weight,
     *grad_norm_params); a gradient is None where not needed.
     """
     K, N, _ = h.shape
@@ -302,6 +371,8 @@ def _head_pass(
     ce = torch.zeros(K, device=dev)
     acc = torch.zeros(K, dtype=torch.float64, device=dev)
     min_pq = torch.zeros(K, dtype=torch.float64, device=dev)
+    accept = spec.accept
+    term = torch.zeros(K, device=dev)
     valid = torch.zeros(K, N, dtype=torch.bool, device=dev)
     correct = torch.zeros(K, N, dtype=torch.bool, device=dev)
     grad_h = torch.zeros_like(h) if need_h else None
@@ -341,6 +412,8 @@ def _head_pass(
             m = mask[k]
             ce[k] += torch.where(m, ce_rows, 0.0).sum()
             min_pq[k] += torch.where(m, min_pq_rows, 0.0).sum().double()
+            if accept.active:
+                term[k] += torch.where(m, accept.value(min_pq_rows), 0.0).sum()
             hit = (spec.maps.draft_to_target[top] == target.argmax) & m
             acc[k] += hit.sum().double()
             if all_kept:
@@ -349,7 +422,9 @@ def _head_pass(
                 chunk_correct[k].index_copy_(0, keep, hit)
             if need_norm or need_w:
                 assert spec.scale is not None
-                d = _logits_grad_(q, target, p_sum, spec.scale[k] * m).to(weight.dtype)  # [r, Vd]
+                coef = spec.scale[k] * m
+                alpha_coef = coef * accept.weight * accept.slope(min_pq_rows) if accept.active else None
+                d = _logits_grad_(q, target, p_sum, coef, alpha_coef).to(weight.dtype)  # [r, Vd]
                 if need_norm:
                     g = d @ weight  # [r, H]
                     if all_kept:
@@ -371,20 +446,25 @@ def _head_pass(
                 if n:
                     grad_p[i] += got.pop(0)
     cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
-    return (ce, acc, min_pq, valid, correct, grad_h, cast(grad_w, weight),
+    return (ce, acc, min_pq, term, valid, correct, grad_h, cast(grad_w, weight),
             *(cast(g, p) for g, p in zip(grad_p, norm_params)))
 
 
+def _weighted_loss(spec: FusedSpec, ce: Tensor, term: Tensor) -> Tensor:
+    objective = ce + spec.accept.weight * term if spec.accept.active else ce
+    return (spec.scale.to(ce.dtype) * objective).sum()
+
+
 class _FusedHeadLoss(torch.autograd.Function):
-    """loss = Σ_k scale_k · CE_k with the gradients formed in forward; backward scales them."""
+    """loss = Σ_k scale_k · (CE_k + β·A_k) with the gradients formed in forward; backward scales them."""
 
     @staticmethod
     def forward(ctx, spec: FusedSpec, h: Tensor, weight: Tensor, *norm_params: Tensor):
-        ce, acc, min_pq, valid, correct, *grads = _head_pass(
+        ce, acc, min_pq, term, valid, correct, *grads = _head_pass(
             spec, h, weight, norm_params, ctx.needs_input_grad[1:]
         )
         assert spec.scale is not None
-        loss = (spec.scale.to(ce.dtype) * ce).sum()
+        loss = _weighted_loss(spec, ce, term)
         ctx.save_for_backward(*grads)
         ctx.mark_non_differentiable(ce, acc, min_pq, valid, correct)
         return loss, ce, acc, min_pq, valid, correct
@@ -405,10 +485,12 @@ def fused_terms(
     chunk_size: int,
     scale: Tensor | None,
     targets: list[Target] | None = None,
+    accept: AcceptTerm = NO_ACCEPT,
 ) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`chunked_terms` for a drafter whose logits are `F.linear(norm(h), weight)`, plus the loss.
 
-    Returns (loss, ce [K], acc [K], min_pq [K], valid [K, N], correct [K, N]); loss = Σ_k scale[k]·ce[k]
+    Returns (loss, ce [K], acc [K], min_pq [K], valid [K, N], correct [K, N]); loss = Σ_k scale[k]·(ce[k] +
+    accept.weight·Σ_rows A(α))
     is the only differentiable output (w.r.t. hiddens, weight and norm's parameters), None when
     `scale` is None. `norm` is run through `.forward`, not `__call__`, and `weight` is used directly:
     no module hook fires per chunk, so the number of module calls does not depend on the data (ZeRO-3
@@ -417,12 +499,12 @@ def fused_terms(
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     h = torch.stack(list(hiddens))  # [K, N, H]
-    spec = FusedSpec(norm, head, rows, reachable, maps, chunk_size, scale, targets)
+    spec = FusedSpec(norm, head, rows, reachable, maps, chunk_size, scale, targets, accept)
     norm_params = list(norm.parameters())
     inputs = (h, weight, *norm_params)
     if scale is not None and torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         return _FusedHeadLoss.apply(spec, *inputs)
     with torch.no_grad():
-        ce, acc, min_pq, valid, correct, *_ = _head_pass(spec, h, weight, norm_params, [False] * len(inputs))
-    loss = None if scale is None else (scale.to(ce.dtype) * ce).sum()
+        ce, acc, min_pq, term, valid, correct, *_ = _head_pass(spec, h, weight, norm_params, [False] * len(inputs))
+    loss = None if scale is None else _weighted_loss(spec, ce, term)
     return loss, ce, acc, min_pq, valid, correct

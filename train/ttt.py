@@ -31,7 +31,16 @@ from torch.utils.checkpoint import checkpoint
 
 from train.batch import PAD_ID, Batch
 from train.config import TrainConfig
-from train.loss import VocabMaps, chunked_terms, fused_terms, gather_teacher, teacher_argmax, teacher_target
+from train.loss import (
+    NO_ACCEPT,
+    AcceptTerm,
+    VocabMaps,
+    chunked_terms,
+    fused_terms,
+    gather_teacher,
+    teacher_argmax,
+    teacher_target,
+)
 
 SUM_KEYS = ("ce_sum", "acc_sum", "min_pq_sum", "n_valid_k")
 
@@ -51,6 +60,7 @@ class TTTSettings:
     # count_valid keeps the per-chunk teacher targets for ttt_loss (so the full-vocab teacher runs once per
     # batch, not twice) when they take at most this many MB; long sequences recompute them instead.
     teacher_cache_mb: int = 1024
+    accept: AcceptTerm = NO_ACCEPT  # the optional acceptance term of the loss (train.accept_loss*)
 
     @classmethod
     def from_train(cls, t: TrainConfig, held_out: bool = False) -> TTTSettings:
@@ -58,7 +68,8 @@ class TTTSettings:
         evaluations unroll (train.eval_ttt_steps, default K; no checkpointing without a backward)."""
         if held_out:
             return cls(steps=t.eval_ttt_steps or t.ttt_steps, decay=t.loss_decay, chunk_size=t.chunk_size)
-        return cls(steps=t.ttt_steps, decay=t.loss_decay, chunk_size=t.chunk_size, checkpoint_layer=t.checkpoint_layer)
+        return cls(steps=t.ttt_steps, decay=t.loss_decay, chunk_size=t.chunk_size, checkpoint_layer=t.checkpoint_layer,
+                   accept=AcceptTerm(t.accept_loss, t.accept_loss_weight))
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -183,15 +194,17 @@ def _terms(
     parts = output_head(drafter) if settings.fused_head else None
     if parts is not None:
         loss, ce, acc, min_pq, valid, correct = fused_terms(
-            *parts, rows, head, teacher, reachable, maps, settings.chunk_size, scale, teacher_targets
+            *parts, rows, head, teacher, reachable, maps, settings.chunk_size, scale, teacher_targets, settings.accept
         )
+        term = None
     else:
         loss = None
-        ce, acc, min_pq, valid, correct = chunked_terms(
-            drafter, head, rows, teacher, reachable, maps, settings.chunk_size, settings.checkpoint_chunks
+        ce, acc, min_pq, term, valid, correct = chunked_terms(
+            drafter, head, rows, teacher, reachable, maps, settings.chunk_size, settings.checkpoint_chunks,
+            settings.accept,
         )
     return dict(loss=loss, ce=ce, acc=acc, min_pq=min_pq, valid=valid, correct=correct, b_idx=b_idx, j_idx=j_idx,
-                rows=rows, reachable=reachable)
+                rows=rows, reachable=reachable, accept_term=term)
 
 
 def _means(sums: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -229,7 +242,8 @@ def ttt_loss(
     loss = t["loss"]
     if loss is None:
         norm = (n_valid if normalizer is None else normalizer.to(ce.device)).clamp_min(1).to(ce.dtype)
-        loss = (weights * ce / norm).sum()
+        objective = ce + settings.accept.weight * t["accept_term"] if settings.accept.active else ce
+        loss = (weights * objective / norm).sum()
     sums = {
         "ce_sum": ce.detach().double(),
         "acc_sum": t["acc"],
