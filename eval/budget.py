@@ -1,14 +1,20 @@
-"""Pick the verify budget m (tree total_tokens) by timing the target, as docs/method.md §3 asks.
+"""The verify budget m (drafted nodes verified per step) from the target's own timings (docs/method.md §3).
 
 Speculation pays while verifying m + 1 tokens costs about one decode step. On a GPU that holds for
 dozens of tokens; on a CPU the m-token forward is a matrix-matrix product and grows much sooner.
+Two ways to use the timings: `choose_total_tokens` fixes one m before decoding (a tolerance on the verify
+cost); `AdaptiveBudget` picks m every cycle from the drafted tree's own probabilities and a cost model
+(`VerifyCost` + the cycle's measured overhead), down to m = 0 (a plain step) when no draft is worth it.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from eval.target import TargetRunner
 
@@ -59,3 +65,103 @@ def choose_total_tokens(
         timings[m] = time_verify_forward(target, m + 1, context_len, repeats)
     fitting = [m for m in sorted(set(candidates)) if timings[m] <= tolerance * timings[0]]
     return (max(fitting) if fitting else min(candidates)), timings
+
+
+# Block sizes timed for the cost model (root + drafts); linear in between, the last slope beyond.
+VERIFY_SIZES = (1, 2, 3, 5, 9, 17, 33, 61)
+
+
+@dataclass
+class VerifyCost:
+    """Seconds of a verify forward of n tokens (the root + n − 1 drafts), linear between measured sizes."""
+
+    seconds: dict[int, float]  # block size -> seconds; holds 1 and at least one more size
+
+    def __post_init__(self) -> None:
+        if 1 not in self.seconds or len(self.seconds) < 2:
+            raise ValueError(f"need the 1-token time and one more size, got sizes {sorted(self.seconds)}")
+        if min(self.seconds.values()) <= 0:
+            raise ValueError(f"verify times must be positive, got {self.seconds}")
+
+    def __call__(self, n: int) -> float:
+        pts = sorted(self.seconds.items())
+        if n <= pts[0][0]:
+            return pts[0][1]
+        for (n0, t0), (n1, t1) in zip(pts, pts[1:]):
+            if n <= n1:
+                return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+        (n0, t0), (n1, t1) = pts[-2], pts[-1]
+        return t1 + (t1 - t0) * (n - n1) / (n1 - n0)
+
+    @classmethod
+    def measure(cls, target: TargetRunner, max_block: int, context_len: int = 128, repeats: int = 3) -> VerifyCost:
+        sizes = sorted({n for n in VERIFY_SIZES if n <= max_block} | {1, max(2, max_block)})
+        time_verify_forward(target, 1, context_len, 1)  # first-call costs land here
+        return cls({n: time_verify_forward(target, n, context_len, repeats) for n in sizes})
+
+
+class AdaptiveBudget:
+    """Per cycle, how many drafted nodes to verify: the best m by the drafter's path probability.
+
+    A node is accepted only with its whole path, so keeping the best m nodes is expected to yield
+    1 + c·V_m tokens, V_m = Σ of their path probabilities exp(value) and c a calibration (accepted /
+    predicted so far: the drafter's confidence is not the target's). The cycle costs `overhead` (drafting,
+    masks, acceptance, caches: everything but the verify forward, measured) + verify(m + 1). m maximises
+    the long-run rate (Dinkelbach's rule): (1 + c·V_m) − r·(overhead + verify(m + 1)), with r the rate so
+    far. Starts from `prior_cycles` pseudo-cycles at c = 1, no overhead, the plain rate."""
+
+    def __init__(self, verify: VerifyCost, prior_cycles: int = 4) -> None:
+        self.verify = verify
+        self.predicted = self.accepted = float(prior_cycles)  # calibration c = accepted / predicted
+        self.tokens, self.seconds = float(prior_cycles), prior_cycles * verify(1)  # rate r = tokens / seconds
+        self.overhead_s, self.cycles = 0.0, 0
+        self.log: list[dict[str, float]] = []  # per cycle: m, predicted and accepted drafts, seconds
+
+    @property
+    def calibration(self) -> float:
+        return self.accepted / self.predicted
+
+    @property
+    def overhead(self) -> float:
+        return self.overhead_s / self.cycles if self.cycles else 0.0
+
+    def choose(self, values: Tensor) -> tuple[int, float]:
+        """(m, predicted accepted drafts c·V_m) for a tree whose drafted nodes have these path log-probs."""
+        probs = torch.sort(values.double().exp(), descending=True).values
+        gains = torch.cat([torch.zeros(1, dtype=torch.float64), probs.cumsum(0)]) * self.calibration
+        rate = self.tokens / self.seconds
+        costs = torch.tensor([self.overhead + self.verify(m + 1) for m in range(gains.numel())], dtype=torch.float64)
+        m = int(torch.argmax(1.0 + gains - rate * costs))  # first maximum: the smaller tree on ties
+        return m, float(gains[m])
+
+    def observe(self, m: int, predicted: float, accepted: int, cycle_s: float, verify_s: float) -> None:
+        """What the chosen cycle did: its accepted drafts and its wall time (verify forward included)."""
+        c = self.calibration
+        self.predicted += predicted / c if c > 0 else 0.0  # the raw drafter probabilities, not calibrated ones
+        self.accepted += accepted
+        self.tokens += 1 + accepted
+        self.seconds += cycle_s
+        self.overhead_s += max(0.0, cycle_s - verify_s)
+        self.cycles += 1
+        self.log.append({"m": m, "predicted": predicted, "accepted": accepted, "cycle_s": cycle_s})
+
+    def summary(self) -> dict[str, float]:
+        """Predicted against measured, over the cycles seen: τ, tokens/s and the mean m."""
+        if not self.log:
+            return {}
+        n = len(self.log)
+        pred_tokens = sum(1 + c["predicted"] for c in self.log)
+        pred_s = sum(self.overhead + self.verify(int(c["m"]) + 1) for c in self.log)
+        got_tokens = sum(1 + c["accepted"] for c in self.log)
+        got_s = sum(c["cycle_s"] for c in self.log)
+        return {
+            "cycles": n,
+            "mean_m": sum(c["m"] for c in self.log) / n,
+            "share_m0": sum(c["m"] == 0 for c in self.log) / n,
+            "calibration": self.calibration,
+            "tau_predicted": pred_tokens / n,
+            "tau_measured": got_tokens / n,
+            "tokens_per_s_predicted": pred_tokens / pred_s if pred_s > 0 else math.nan,
+            "tokens_per_s_measured": got_tokens / got_s if got_s > 0 else math.nan,
+            "plain_tokens_per_s_predicted": 1.0 / self.verify(1),
+        }

@@ -16,6 +16,10 @@ class DecodeConfig:
     auto_total_tokens: bool = False  # time the target (choose_total_tokens) and pick total_tokens
     total_tokens_candidates: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 60])
     auto_tolerance: float = 1.3  # keep the largest m whose verify forward <= tolerance x a 1-token forward
+    # fixed: verify every drafted node (tree: total_tokens, chain: depth). adaptive: each cycle verifies the
+    # best m of them that a cost model fed by the target's timings expects to pay, m = 0 included
+    # (eval/budget.py AdaptiveBudget); with a tree, total_tokens (or auto_total_tokens' pick) is the most m.
+    budget: str = "fixed"
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0
@@ -54,6 +58,8 @@ class EvalConfig:
             raise ValueError("decode.max_new_tokens must be >= 1")
         if d.temperature < 0 or not 0 < d.top_p <= 1 or d.top_k < 0:
             raise ValueError("need decode.temperature >= 0, 0 < decode.top_p <= 1, decode.top_k >= 0")
+        if d.budget not in ("fixed", "adaptive"):
+            raise ValueError(f"decode.budget must be fixed|adaptive, got {d.budget!r}")
         if d.sample_drafts and d.mode != "chain":
             raise ValueError("decode.sample_drafts applies to chain mode only (tree drafts are top-k)")
         if d.auto_total_tokens and (not d.total_tokens_candidates or min(d.total_tokens_candidates) < 1):

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from eval import metrics
-from eval.budget import choose_total_tokens
+from eval.budget import AdaptiveBudget, VerifyCost, choose_total_tokens
 from eval.config import EvalConfig
 from eval.prompts import load_prompts, render
 from eval.sampling import SamplingParams
@@ -99,13 +99,19 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     if d.mode == "tree" and d.auto_total_tokens:
         total_tokens, timings = choose_total_tokens(runner, list(d.total_tokens_candidates), d.auto_tolerance)
     settings = SpecSettings(d.mode, d.depth, d.topk, total_tokens, d.sample_drafts)
-    decoder = SpeculativeDecoder(runner, drafter, settings)
+    budget = None
+    if d.budget == "adaptive":
+        most = total_tokens if d.mode == "tree" else d.depth
+        budget = AdaptiveBudget(VerifyCost.measure(runner, most + 1))
+    decoder = SpeculativeDecoder(runner, drafter, settings, budget)
 
     if cfg.warmup:  # first calls pay one-off allocation / kernel selection costs
         ids = render(tokenizer, [{"role": "user", "content": records_in[0].turns[0]}], template_kwargs)
         decoder.generate(ids, min(8, d.max_new_tokens), params, eos, torch.Generator().manual_seed(0))
         if cfg.baseline:
             plain_generate(runner, ids, min(8, d.max_new_tokens), params, eos, torch.Generator().manual_seed(0))
+        if budget is not None:
+            budget.log.clear()  # its learned rates stay; the report covers the timed prompts only
 
     spec_recs: list[GenerationRecord] = []
     base_recs: list[GenerationRecord] = []
@@ -165,6 +171,16 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
         "tokens_per_s": {"speculative": spec_rate, "baseline": base_rate},
         "speedup": spec_rate / base_rate if base_recs else None,
     }
+    if budget is not None:
+        # The cost model's own forecast beside what happened (speedups: over its 1-token verify time, and measured).
+        model = budget.summary()
+        report["adaptive_budget"] = {
+            **model,
+            "speedup_predicted": model["tokens_per_s_predicted"] / model["plain_tokens_per_s_predicted"],
+            "verify_cost_s": budget.verify.seconds,
+            "definition": "per cycle m = argmax (1 + c·V_m) − r·(overhead + verify(m + 1)); V_m = Σ of the best m "
+                          "path probabilities, c = accepted / predicted so far, r = tokens/s so far",
+        }
     if base_recs:
         same = sum(s.output_ids == b.output_ids for s, b in zip(spec_recs, base_recs))
         report["outputs_identical_to_baseline"] = {"count": same, "of": len(base_recs),
@@ -241,6 +257,11 @@ def format_summary(report: dict) -> str:
     if "outputs_identical_to_baseline" in report:
         o = report["outputs_identical_to_baseline"]
         lines.append(f"outputs identical to baseline: {o['count']}/{o['of']}")
+    if report.get("adaptive_budget"):
+        a = report["adaptive_budget"]
+        lines.append(f"adaptive budget: mean m={a['mean_m']:.2f} (m=0 in {a['share_m0']:.0%} of cycles), "
+                     f"calibration {a['calibration']:.2f}; predicted tau {a['tau_predicted']:.3f} / measured "
+                     f"{a['tau_measured']:.3f}, predicted speedup {a['speedup_predicted']:.3f}")
     if "prompt_lookup" in report:
         p = report["prompt_lookup"]
         lines.append(f"prompt lookup (HF): {p['tokens_per_s']:.1f} tok/s, speedup {p['speedup']}, "

@@ -20,7 +20,7 @@ from eval import sampling
 from eval.drafting import make_strategy
 from eval.sampling import SamplingParams
 from eval.target import TargetRunner, keep_kv
-from eval.tree import DraftTree, tree_attention_allowed
+from eval.tree import DraftTree, keep_best, tree_attention_allowed
 
 
 @dataclass(frozen=True)
@@ -144,10 +144,14 @@ def accept_path(
 
 
 class SpeculativeDecoder:
-    def __init__(self, target: TargetRunner, drafter, settings: SpecSettings):
+    """`budget` (eval/budget.py AdaptiveBudget): each cycle verifies only the drafted nodes its cost model
+    expects to pay (possibly none); None verifies everything the strategy drafts."""
+
+    def __init__(self, target: TargetRunner, drafter, settings: SpecSettings, budget=None):
         self.target = target
         self.drafter = drafter
         self.settings = settings
+        self.budget = budget
         self.strategy = make_strategy(drafter, settings)
         self.target_cache = None  # kept after generate() so tests can compare it with a fresh prefill
 
@@ -188,11 +192,17 @@ class SpeculativeDecoder:
             strategy.start(prompt_ids, pre.taps, root)
         clock.lap("prefill")
         while stop is None:
+            cycle_t0 = time.perf_counter()
             tree = strategy.draft(root, n, params, generator)
+            if self.budget is not None:
+                m, predicted = self.budget.choose(tree.values[1:])
+                tree = keep_best(tree, m)
             clock.lap("draft")
             allowed = tree_attention_allowed(tree.parents, n)
             clock.lap("mask")
+            verify_t0 = time.perf_counter()
             ver = self.target.forward(tree.tokens, cache, tree.position_ids(n), allowed)
+            verify_s = time.perf_counter() - verify_t0
             rec.target_forwards += 1
             clock.lap("verify")
             path, bonus = accept_path(tree, ver.logits, params, generator)
@@ -202,10 +212,13 @@ class SpeculativeDecoder:
             clock.lap("kv")
             accepted = tree.tokens[path[1:]].tolist()
             stop = _finish(rec.output_ids, [*accepted, bonus], max_new_tokens, eos)
+            if stop is None:
+                strategy.commit(ver.taps[path], accepted, bonus, n)
+                clock.lap("commit")
+            if self.budget is not None:
+                self.budget.observe(m, predicted, len(path) - 1, time.perf_counter() - cycle_t0, verify_s)
             if stop is not None:
                 break
-            strategy.commit(ver.taps[path], accepted, bonus, n)
-            clock.lap("commit")
             n += len(path)
             root = bonus
         rec.stop_reason = stop

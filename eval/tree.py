@@ -67,6 +67,24 @@ def select_top_m(
     )
 
 
+def keep_best(tree: DraftTree, m: int) -> DraftTree:
+    """The tree cut to its m best drafted nodes by value (ties: the earlier node), still connected: a
+    child's value never exceeds its parent's. m >= len(tree) - 1 returns `tree` itself; m = 0 the root alone."""
+    n = len(tree) - 1
+    if m >= n:
+        return tree
+    order = torch.sort(-tree.values[1:], stable=True).indices[:m] + 1
+    keep = torch.cat([torch.zeros(1, dtype=torch.long), torch.sort(order).values])  # block order, root first
+    new_index = torch.full((n + 1,), -1, dtype=torch.long)
+    new_index[keep] = torch.arange(m + 1)
+    parents = tree.parents[keep]
+    block_par = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
+    if bool((block_par[1:] < 0).any()):
+        raise AssertionError("best-m cut is not a connected tree (a parent ranked below its child)")
+    q = None if tree.q is None else [tree.q[i] for i in keep.tolist()]
+    return DraftTree(tree.tokens[keep], block_par, tree.depths[keep], tree.values[keep], q)
+
+
 def chain_tree(root_token: int, tokens: list[int], values: list[float], qs: list[Tensor | None]) -> DraftTree:
     """A chain is the tree in which node i's parent is node i - 1."""
     k = len(tokens)

@@ -130,3 +130,28 @@ def test_run_eval_in_process_sampling_auto_budget(tmp_path, tiny_target_dir: Pat
     assert saved["tokens_per_s"]["baseline"] is None  # NaN is written as null
     assert not (tmp_path / "o" / "per_position_acceptance.png").exists()
     assert "speedup=None" in format_summary(report)
+
+
+def test_run_eval_adaptive_budget_reports_its_forecast(tmp_path, tiny_target_dir: Path, exported_drafter: Path) -> None:
+    """decode.budget=adaptive: greedy outputs still equal the baseline's; the report carries the cost model's
+    predicted τ and speedup beside the measured ones, and its verify-time table."""
+    from eval.config import DecodeConfig, EvalConfig
+    from eval.run import format_summary, run_eval
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Hello there"}) + "\n" + json.dumps({"prompt": "Tell me more"}) + "\n")
+    cfg = EvalConfig(drafter=str(exported_drafter), target=str(tiny_target_dir), prompts=str(prompts),
+                     out_dir=str(tmp_path / "o"), dtype="float32", plots=False,
+                     decode=DecodeConfig(mode="tree", depth=3, topk=2, total_tokens=5, budget="adaptive",
+                                         max_new_tokens=10))
+    report = run_eval(cfg, progress=False)
+    a = report["adaptive_budget"]
+    assert report["outputs_identical_to_baseline"]["count"] == 2
+    assert set(a["verify_cost_s"]) == {1, 2, 3, 5, 6} and 0 <= a["mean_m"] <= 5
+    assert a["cycles"] == sum(report["accept_length_histogram"])  # one decision per verify forward
+    assert a["tau_measured"] == pytest.approx(report["tau_pooled"])
+    assert a["speedup_predicted"] > 0 and "adaptive budget: mean m=" in format_summary(report)
+    bad = EvalConfig(drafter="x", out_dir="y")
+    bad.decode.budget = "greedy"
+    with pytest.raises(ValueError, match="decode.budget"):
+        bad.validate()
