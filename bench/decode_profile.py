@@ -12,8 +12,10 @@ In ONE process, on the decoder's own code paths (nothing else may share the mach
 3. one drafter step (forward_step + its log-probs over the draft vocabulary) against the number of nodes
    1..64 over the same prefix, as a fraction of the plain target step;
 4. the operator breakdown (torch.profiler, self CPU time per op) of the plain step and of a 9-token verify;
-5. with --prompts N > 0: a speculative decoding run (eval.run.run_eval, tree, T=0) over N MT-bench
-   prompts, whose report splits each cycle's wall time by phase (GenerationRecord.phase_s).
+5. with --prompts N > 0: speculative decoding runs (eval.run.run_eval, tree, T=0) over N MT-bench
+   prompts, one per --budgets entry (fixed: m picked once by timing; adaptive: m per cycle by the cost
+   model, whose predicted τ and speedup are reported beside the measured ones), each with its own plain
+   baseline; each report splits the cycle's wall time by phase (GenerationRecord.phase_s).
 Writes --out (JSON) and a PNG beside it, and prints the JSON.
 """
 
@@ -135,7 +137,7 @@ def op_breakdown(runner, context: int, vocab: int, top: int = 12) -> dict:
     return out
 
 
-def cycle_profile(args: argparse.Namespace) -> dict:
+def cycle_profile(args: argparse.Namespace, budget: str) -> dict:
     from eval.config import DecodeConfig, EvalConfig
     from eval.run import run_eval
 
@@ -143,10 +145,11 @@ def cycle_profile(args: argparse.Namespace) -> dict:
         cfg = EvalConfig(drafter=args.drafter, target=args.target, out_dir=tmp, threads=args.threads,
                          decode=DecodeConfig(mode="tree", temperature=0.0, num_prompts=args.prompts,
                                              max_new_tokens=args.max_new_tokens, max_turns=1,
-                                             auto_total_tokens=True))
+                                             auto_total_tokens=budget == "fixed", budget=budget))
         rep = run_eval(cfg, progress=False)
-    keep = ("tau_pooled", "speedup", "tokens_per_s", "cycle_time_share", "outputs_identical_to_baseline")
-    return {**{k: rep.get(k) for k in keep}, "total_tokens": rep["decode"]["total_tokens"],
+    keep = ("tau_pooled", "speedup", "tokens_per_s", "cycle_time_share", "outputs_identical_to_baseline",
+            "adaptive_budget")
+    return {**{k: rep.get(k) for k in keep}, "budget": budget, "total_tokens": rep["decode"]["total_tokens"],
             "depth": rep["decode"]["depth"]}
 
 
@@ -156,7 +159,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = 3 if result.get("cycle") else 2
+    panels = 3 if result.get("cycles") else 2
     fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.8))
     rows = result["target"]["rows"]
     ts = [r["tokens"] for r in rows]
@@ -176,11 +179,16 @@ def plot(result: dict, path: Path) -> None:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     if panels == 3:
-        share = result["cycle"]["cycle_time_share"]
         ax = axes[2]
-        ax.bar(list(share), [100 * v for v in share.values()])
-        ax.set(ylabel="% of speculative wall time", title=f"cycle phases (τ {result['cycle']['tau_pooled']:.2f})")
+        width = 0.8 / len(result["cycles"])
+        for i, cyc in enumerate(result["cycles"]):
+            share = cyc["cycle_time_share"]
+            ax.bar([j + i * width for j in range(len(share))], [100 * v for v in share.values()], width,
+                   label=f"{cyc['budget']}: τ {cyc['tau_pooled']:.2f}, ×{cyc['speedup']:.2f}")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(share))], list(share))
+        ax.set(ylabel="% of speculative wall time", title="cycle phases")
         ax.tick_params(axis="x", rotation=45)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -195,6 +203,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prompts", type=int, default=4, help="MT-bench prompts of the phase split (0 = skip)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--budgets", default="fixed,adaptive", help="decode.budget of each speculative run")
     ap.add_argument("--out", default="bench/results/decode_profile.json")
     args = ap.parse_args()
 
@@ -214,7 +223,7 @@ def main() -> None:
                                       result["target"]["plain_step_s"])
     result["ops"] = op_breakdown(runner, args.context, vocab)
     if args.prompts > 0:
-        result["cycle"] = cycle_profile(args)
+        result["cycles"] = [cycle_profile(args, b) for b in args.budgets.split(",")]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -115,6 +115,7 @@ class AdaptiveBudget:
         self.predicted = self.accepted = float(prior_cycles)  # calibration c = accepted / predicted
         self.tokens, self.seconds = float(prior_cycles), prior_cycles * verify(1)  # rate r = tokens / seconds
         self.overhead_s, self.cycles = 0.0, 0
+        self.draft_s, self.draft_forwards = 0.0, 0  # drafter forwards after the root's, and their time
         self.log: list[dict[str, float]] = []  # per cycle: m, predicted and accepted drafts, seconds
 
     @property
@@ -125,17 +126,34 @@ class AdaptiveBudget:
     def overhead(self) -> float:
         return self.overhead_s / self.cycles if self.cycles else 0.0
 
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+    def worth_expanding(self, path_prob: float) -> bool:
+        """One more drafter forward (a tree level, a chain step) below nodes of summed path probability
+        `path_prob`: what their children can add is at most c·path_prob tokens, against the forward's
+        measured time at the current rate (nothing is known before the first forward: expand)."""
+        if not self.draft_forwards:
+            return True
+        return self.calibration * path_prob > self.rate * self.draft_s / self.draft_forwards
+
     def choose(self, values: Tensor) -> tuple[int, float]:
         """(m, predicted accepted drafts c·V_m) for a tree whose drafted nodes have these path log-probs."""
         probs = torch.sort(values.double().exp(), descending=True).values
         gains = torch.cat([torch.zeros(1, dtype=torch.float64), probs.cumsum(0)]) * self.calibration
-        rate = self.tokens / self.seconds
+        rate = self.rate
         costs = torch.tensor([self.overhead + self.verify(m + 1) for m in range(gains.numel())], dtype=torch.float64)
         m = int(torch.argmax(1.0 + gains - rate * costs))  # first maximum: the smaller tree on ties
         return m, float(gains[m])
 
-    def observe(self, m: int, predicted: float, accepted: int, cycle_s: float, verify_s: float) -> None:
-        """What the chosen cycle did: its accepted drafts and its wall time (verify forward included)."""
+    def observe(self, m: int, predicted: float, accepted: int, cycle_s: float, verify_s: float,
+                draft_s: float = 0.0, draft_forwards: int = 0, drafted: int | None = None) -> None:
+        """What the chosen cycle did: its accepted drafts, its wall time (verify forward included) and its
+        drafting's time and forwards after the root's."""
+        if draft_forwards:
+            self.draft_s += draft_s
+            self.draft_forwards += draft_forwards
         c = self.calibration
         self.predicted += predicted / c if c > 0 else 0.0  # the raw drafter probabilities, not calibrated ones
         self.accepted += accepted
@@ -143,7 +161,8 @@ class AdaptiveBudget:
         self.seconds += cycle_s
         self.overhead_s += max(0.0, cycle_s - verify_s)
         self.cycles += 1
-        self.log.append({"m": m, "predicted": predicted, "accepted": accepted, "cycle_s": cycle_s})
+        self.log.append({"m": m, "predicted": predicted, "accepted": accepted, "cycle_s": cycle_s,
+                         "draft_forwards": draft_forwards, "drafted": m if drafted is None else drafted})
 
     def summary(self) -> dict[str, float]:
         """Predicted against measured, over the cycles seen: τ, tokens/s and the mean m."""
@@ -157,6 +176,7 @@ class AdaptiveBudget:
         return {
             "cycles": n,
             "mean_m": sum(c["m"] for c in self.log) / n,
+            "mean_draft_forwards": sum(c["draft_forwards"] for c in self.log) / n,
             "share_m0": sum(c["m"] == 0 for c in self.log) / n,
             "calibration": self.calibration,
             "tau_predicted": pred_tokens / n,

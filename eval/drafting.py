@@ -15,6 +15,8 @@ N - 1 + d with its parent's output vector as `hidden` (features of unverified to
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -82,12 +84,14 @@ def draft_chain(
     steps: int,
     sample_params: SamplingParams | None = None,
     generator: torch.Generator | None = None,
+    worth: Callable[[float], bool] | None = None,
 ) -> DraftTree:
     """K = steps tokens, one drafter forward each after the first (which reuses the catch-up output).
 
     Greedy drafting (sample_params None or greedy) takes the draft argmax: q is a point mass. Sampled
     drafting draws from the drafter's softmax at the target temperature and records q (target vocab),
-    which the acceptance rule then divides by.
+    which the acceptance rule then divides by. `worth(p)`, given the drafter's probability of the path so
+    far, says whether one more drafter forward is worth it (an adaptive budget); None: always.
     """
     sampled = sample_params is not None and not sample_params.greedy
     vocab = int(drafter.t2d.numel())
@@ -95,6 +99,7 @@ def draft_chain(
     values: list[float] = []
     qs: list[Tensor | None] = []
     h, value = root_out, 0.0
+    forwards = 0
     for k in range(steps):
         logp = _log_probs(drafter, h)  # [Vd]
         if sampled:
@@ -111,14 +116,20 @@ def draft_chain(
         tokens.append(x)
         values.append(value)
         if k + 1 < steps:
+            if worth is not None and not worth(math.exp(value)):
+                break
             pos = torch.tensor([[prefix_len + k]], device=h.device)
             h = drafter.forward_step(next_input(drafter, h)[None, None], torch.tensor([[x]], device=h.device), pos,
                                      cache)[0, 0]
-    return chain_tree(root_token, tokens, values, qs)
+            forwards += 1
+    tree = chain_tree(root_token, tokens, values, qs)
+    tree.draft_forwards = forwards
+    return tree
 
 
 def draft_tree(
-    drafter, cache, root_out: Tensor, root_token: int, prefix_len: int, depth: int, topk: int, total_tokens: int
+    drafter, cache, root_out: Tensor, root_token: int, prefix_len: int, depth: int, topk: int, total_tokens: int,
+    worth: Callable[[float], bool] | None = None,
 ) -> DraftTree:
     """EAGLE-2 dynamic tree (docs/method.md §3) with `depth` levels, at most depth - 1 drafter forwards.
 
@@ -126,7 +137,9 @@ def draft_tree(
     run through the drafter together, each attending to the prefix, its expanded ancestors and itself;
     each yields its top-k children. Finally the top-m nodes over ALL levels are kept (select_top_m).
     Levels deeper than m are never drafted: the kept set is a connected tree of m nodes (a child never
-    outranks its parent), so no node below depth m could be in it.
+    outranks its parent), so no node below depth m could be in it. `worth(p)`, given the summed path
+    probability of the nodes about to be expanded (an upper bound on what their children can add), says
+    whether that level's forward is worth it (an adaptive budget); None: always.
     """
     depth = min(depth, total_tokens)
     device = root_out.device
@@ -142,10 +155,14 @@ def draft_tree(
     layer_hidden = root_out[None].expand(k, -1)  # hidden fed with each current-layer node: its parent's output
     # Cache slots of each current-layer node's expanded ancestors (the root's ancestors are the prefix).
     layer_anc: list[list[int]] = [[] for _ in range(k)]
+    forwards = 0
     for d in range(1, depth):
         cur_vals = values[-1]
         # A stable sort rather than topk: on ties the earlier node wins, deterministically.
         sel = torch.sort(-cur_vals, stable=True).indices[: min(k, int(cur_vals.numel()))]
+        if worth is not None and not worth(float(cur_vals[sel].double().exp().sum())):
+            break
+        forwards += 1
         n_sel = int(sel.numel())
         sel_draft = draft_ids[-1][sel]
         ids = drafter.draft_to_target(sel_draft.to(device))
@@ -169,9 +186,9 @@ def draft_tree(
         layer_anc = [layer_anc[s] + [base + i] for i, s in enumerate(sel.tolist()) for _ in range(k)]
     all_draft = torch.cat(draft_ids)
     tokens = drafter.draft_to_target(all_draft.to(device)).cpu()
-    return select_top_m(
-        torch.cat(values), torch.cat(parents), torch.cat(depths), tokens, root_token, total_tokens
-    )
+    tree = select_top_m(torch.cat(values), torch.cat(parents), torch.cat(depths), tokens, root_token, total_tokens)
+    tree.draft_forwards = forwards
+    return tree
 
 
 class EagleDrafting:
@@ -182,6 +199,7 @@ class EagleDrafting:
         self.depth = settings.depth
         self.cache = None
         self.root_out: Tensor | None = None
+        self.worth: Callable[[float], bool] | None = None  # set by an adaptive budget (eval/budget.py)
 
     def _taps(self, taps: Tensor) -> Tensor:
         w = self.drafter.fc.weight
@@ -199,9 +217,10 @@ class EagleDrafting:
         if s.mode == "chain":
             return draft_chain(
                 self.drafter, self.cache, self.root_out, root, prefix_len, s.depth,
-                params if s.sample_drafts else None, generator,
+                params if s.sample_drafts else None, generator, self.worth,
             )
-        return draft_tree(self.drafter, self.cache, self.root_out, root, prefix_len, s.depth, s.topk, s.total_tokens)
+        return draft_tree(self.drafter, self.cache, self.root_out, root, prefix_len, s.depth, s.topk, s.total_tokens,
+                          self.worth)
 
     def commit(self, taps: Tensor, accepted: list[int], bonus: int, prefix_len: int) -> None:
         self.cache.truncate(prefix_len)  # drop the drafted nodes: their features were the drafter's own

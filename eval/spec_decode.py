@@ -153,6 +153,8 @@ class SpeculativeDecoder:
         self.settings = settings
         self.budget = budget
         self.strategy = make_strategy(drafter, settings)
+        if budget is not None and hasattr(self.strategy, "worth"):  # strategies that draft level by level
+            self.strategy.worth = budget.worth_expanding
         self.target_cache = None  # kept after generate() so tests can compare it with a fresh prefill
 
     @property
@@ -194,7 +196,9 @@ class SpeculativeDecoder:
         while stop is None:
             cycle_t0 = time.perf_counter()
             tree = strategy.draft(root, n, params, generator)
+            draft_s = time.perf_counter() - cycle_t0
             if self.budget is not None:
+                drafted = len(tree) - 1
                 m, predicted = self.budget.choose(tree.values[1:])
                 tree = keep_best(tree, m)
             clock.lap("draft")
@@ -216,7 +220,8 @@ class SpeculativeDecoder:
                 strategy.commit(ver.taps[path], accepted, bonus, n)
                 clock.lap("commit")
             if self.budget is not None:
-                self.budget.observe(m, predicted, len(path) - 1, time.perf_counter() - cycle_t0, verify_s)
+                self.budget.observe(m, predicted, len(path) - 1, time.perf_counter() - cycle_t0, verify_s,
+                                    draft_s, tree.draft_forwards, drafted)
             if stop is not None:
                 break
             n += len(path)

@@ -23,6 +23,7 @@ class DraftTree:
     # Distribution each node was drawn from (target vocab), only when drafts are sampled; None = point
     # mass (deterministic top-k drafting).
     q: list[Tensor | None] | None = None
+    draft_forwards: int = 0  # drafter forwards spent building it after the root's (the cost model's count)
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
@@ -82,7 +83,7 @@ def keep_best(tree: DraftTree, m: int) -> DraftTree:
     if bool((block_par[1:] < 0).any()):
         raise AssertionError("best-m cut is not a connected tree (a parent ranked below its child)")
     q = None if tree.q is None else [tree.q[i] for i in keep.tolist()]
-    return DraftTree(tree.tokens[keep], block_par, tree.depths[keep], tree.values[keep], q)
+    return DraftTree(tree.tokens[keep], block_par, tree.depths[keep], tree.values[keep], q, tree.draft_forwards)
 
 
 def chain_tree(root_token: int, tokens: list[int], values: list[float], qs: list[Tensor | None]) -> DraftTree:

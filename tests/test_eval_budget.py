@@ -92,5 +92,16 @@ def test_greedy_identical_whatever_the_budget_picks(agreeing_pair, settings: Spe
     ms = [c["m"] for c in budget.log]
     if costs == "never":
         assert set(ms) == {0} and set(budget.summary()) >= {"tau_predicted", "tau_measured", "share_m0"}
-    if costs == "free":
-        assert min(ms) >= 1 and max(ms) == most - 1
+    if costs == "free":  # verification costs nothing: every drafted node is verified
+        assert min(ms) >= 1 and all(c["m"] == c["drafted"] for c in budget.log)
+
+
+def test_worth_expanding_weighs_a_forward_against_what_it_can_add() -> None:
+    budget = AdaptiveBudget(VerifyCost({1: 0.1, 9: 0.2}), prior_cycles=4)  # rate 10 tokens/s, c = 1
+    assert budget.worth_expanding(1e-9)  # no forward timed yet: expand
+    budget.observe(2, 1.0, accepted=1, cycle_s=0.3, verify_s=0.15, draft_s=0.02, draft_forwards=2, drafted=4)
+    r = budget.rate
+    assert r == pytest.approx(6 / 0.7) and budget.calibration == pytest.approx(5 / 5)
+    # a forward costs 0.01 s: worth it while c·p > r·0.01
+    assert budget.worth_expanding(1.01 * r * 0.01) and not budget.worth_expanding(0.99 * r * 0.01)
+    assert budget.log[-1]["drafted"] == 4 and budget.summary()["mean_draft_forwards"] == 2
