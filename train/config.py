@@ -110,6 +110,10 @@ class TrainConfig:
     # (β·(1 − α)) | log (β·(−log α)), α = Σ min(p, q) the row's acceptance probability; β the weight.
     accept_loss: str = "none"
     accept_loss_weight: float = 1.0
+    # The exact teacher's rows of every sample kept in memory across epochs (train/teacher_cache.py): its
+    # full-vocab head matmul, ~1/3 of a step for the embedded target, then runs once per sample. MB per
+    # process (a row: 4·Vd + 20 bytes; the demo's 35K rows at Vd 8,192 take 1.1 GB); 0 = recompute.
+    teacher_epoch_cache_mb: int = 0
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
@@ -215,6 +219,8 @@ class RunConfig:
         if t.feature_noise < 0:
             raise ConfigError(f"train.feature_noise must be >= 0, got {t.feature_noise}")
         _one_of("train.accept_loss", t.accept_loss, ACCEPT_KINDS)
+        if t.teacher_epoch_cache_mb < 0:
+            raise ConfigError(f"train.teacher_epoch_cache_mb must be >= 0, got {t.teacher_epoch_cache_mb}")
         if t.accept_loss_weight < 0:
             raise ConfigError(f"train.accept_loss_weight must be >= 0, got {t.accept_loss_weight}")
         if m.method != "eagle3":

@@ -169,15 +169,31 @@ def teacher_argmax(head: nn.Module, rows: TeacherRows) -> Tensor:
     return rows.argmax
 
 
+@dataclass
+class DraftLogits:
+    """What the exact ("hidden") teacher's rows reduce to: all a Target needs, a fifth of the full logits
+    for a 49K/8K vocabulary pair (train/teacher_cache.py keeps these across epochs)."""
+
+    argmax: Tensor  # int64 [c] target ids
+    cols: Tensor  # fp32 [c, Vd] the target's logits at the draft ids
+    lse: Tensor  # fp32 [c, 1] log-sum-exp of the full-vocab logits
+
+    def target(self, maps: VocabMaps) -> Target:
+        return Target(self.argmax, maps.t2d[self.argmax], self.cols.softmax(-1), (self.cols - self.lse).exp())
+
+
+@torch.no_grad()
+def draft_logits(head: nn.Module, hidden: Tensor, maps: VocabMaps) -> DraftLogits:
+    """The exact teacher of `hidden` rows [c, H]: one full-vocab head matmul."""
+    logits = head.logits(hidden.to(_module_dtype(head))).float()  # [c, V]
+    return DraftLogits(logits.argmax(-1), logits.index_select(-1, maps.draft_to_target),
+                       logits.logsumexp(-1, keepdim=True))
+
+
 @torch.no_grad()
 def teacher_target(head: nn.Module, rows: TeacherRows, maps: VocabMaps) -> Target:
     if rows.kind == "hidden":
-        logits = head.logits(rows.hidden.to(_module_dtype(head))).float()  # [c, V]
-        argmax = logits.argmax(-1)
-        cols = logits.index_select(-1, maps.draft_to_target)  # [c, Vd]
-        p_draft = (cols - logits.logsumexp(-1, keepdim=True)).exp()
-        del logits
-        return Target(argmax, maps.t2d[argmax], cols.softmax(-1), p_draft)
+        return draft_logits(head, rows.hidden, maps).target(maps)
     if rows.kind == "topk":
         logits = rows.topk_logits.float()
         argmax = teacher_argmax(head, rows)

@@ -34,6 +34,7 @@ from train.config import TrainConfig
 from train.loss import (
     NO_ACCEPT,
     AcceptTerm,
+    DraftLogits,
     VocabMaps,
     chunked_terms,
     fused_terms,
@@ -41,6 +42,7 @@ from train.loss import (
     teacher_argmax,
     teacher_target,
 )
+from train.teacher_cache import TeacherCache, cached_draft_logits
 
 SUM_KEYS = ("ce_sum", "acc_sum", "min_pq_sum", "n_valid_k")
 
@@ -60,6 +62,8 @@ class TTTSettings:
     # count_valid keeps the per-chunk teacher targets for ttt_loss (so the full-vocab teacher runs once per
     # batch, not twice) when they take at most this many MB; long sequences recompute them instead.
     teacher_cache_mb: int = 1024
+    # The exact teacher's rows kept across epochs (train/teacher_cache.py), MB per process; 0 = off.
+    teacher_epoch_cache_mb: int = TrainConfig.teacher_epoch_cache_mb
     accept: AcceptTerm = NO_ACCEPT  # the optional acceptance term of the loss (train.accept_loss*)
 
     @classmethod
@@ -69,7 +73,7 @@ class TTTSettings:
         if held_out:
             return cls(steps=t.eval_ttt_steps or t.ttt_steps, decay=t.loss_decay, chunk_size=t.chunk_size)
         return cls(steps=t.ttt_steps, decay=t.loss_decay, chunk_size=t.chunk_size, checkpoint_layer=t.checkpoint_layer,
-                   accept=AcceptTerm(t.accept_loss, t.accept_loss_weight))
+                   teacher_epoch_cache_mb=t.teacher_epoch_cache_mb, accept=AcceptTerm(t.accept_loss, t.accept_loss_weight))
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -266,7 +270,7 @@ def reduce_metrics(metrics: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
 @torch.no_grad()
 def count_valid(
     head: nn.Module, batch: Batch, settings: TTTSettings, vocab: VocabMaps | nn.Module | None = None,
-    return_targets: bool = False,
+    return_targets: bool = False, cache: TeacherCache | None = None,
 ):
     """This batch's number of valid positions per TTT step, int64 [K] (teacher argmax only, no drafter).
 
@@ -274,6 +278,7 @@ def count_valid(
     `head.d2t` / `head.t2d`. Cost: for the "hidden" teacher, one chunked full-vocab head matmul.
     With `return_targets`, returns (counts, targets): the per-chunk teacher targets for `ttt_loss`
     when they fit in settings.teacher_cache_mb (else None), so the loss does not redo that matmul.
+    `cache` (exact teacher, sample ids known): rows computed in an earlier epoch are taken from it.
     """
     if vocab is None:
         vocab = head
@@ -282,7 +287,13 @@ def count_valid(
     teacher = gather_teacher(batch, b_idx, j_idx)
     chunks = teacher.split(settings.chunk_size)
     fits = b_idx.numel() * maps.draft_to_target.numel() * 8 <= settings.teacher_cache_mb * 2**20
-    if return_targets and fits:
+    if return_targets and fits and cache is not None and teacher.kind == "hidden" and batch.sample_ids is not None:
+        rows = cached_draft_logits(cache, head, batch, b_idx, j_idx, maps, settings.chunk_size)
+        n = settings.chunk_size
+        targets = [DraftLogits(rows.argmax[i:i + n], rows.cols[i:i + n], rows.lse[i:i + n]).target(maps)
+                   for i in range(0, max(b_idx.numel(), 1), n)]
+        in_vocab = torch.cat([t.in_vocab for t in targets])
+    elif return_targets and fits:
         targets = [teacher_target(head, r, maps) for r in chunks]
         in_vocab = torch.cat([t.in_vocab for t in targets])
     else:
@@ -422,6 +433,8 @@ class Eagle3Objective:
         self.positions = settings.steps
         self.columns: list[int] | None = None  # the drafter's taps among the shards' (build_drafter)
         self.n_source_taps = 0
+        mb = settings.teacher_epoch_cache_mb
+        self.teacher_cache = TeacherCache(mb) if mb > 0 else None
 
     @classmethod
     def from_config(cls, cfg) -> Eagle3Objective:
@@ -448,7 +461,7 @@ class Eagle3Objective:
         return batch.select_taps(self.columns, self.n_source_taps)
 
     def count(self, module: nn.Module, head: nn.Module, batch: Batch):
-        return count_valid(head, batch, self.settings, vocab=module, return_targets=True)
+        return count_valid(head, batch, self.settings, vocab=module, return_targets=True, cache=self.teacher_cache)
 
     def loss(self, module: nn.Module, head: nn.Module, batch: Batch, normalizer: Tensor, state):
         batch = self._taps(batch)
