@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_ttt_stubs import random_batch, vocab
+from ttt_stubs import random_batch, vocab
 
 from models.eagle3 import Eagle3Config, Eagle3Drafter
 from models.export import export_keys, load_export, save_export
@@ -136,7 +136,7 @@ def _env() -> dict[str, str]:
 def test_levers_train_checkpoint_and_export_under_zero3(tmp_path: Path) -> None:
     """A frozen target head (not in the optimizer) is still part of the checkpoint and the export, the
     variant flags reach the export, and a smaller draft vocabulary is cut from the prep's ranking."""
-    from train.synthetic import write_synthetic_prep
+    from synthetic_prep import write_synthetic_prep
 
     prep = write_synthetic_prep(tmp_path / "prep", n_train=8, n_eval=2, min_len=12, max_len=32)
     out = tmp_path / "run"

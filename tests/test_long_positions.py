@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from synthetic_prep import write_synthetic_prep
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from models.eagle3 import Eagle3Drafter
 from train.build import drafter_config
 from train.config import ModelConfig, RunConfig, register_configs
-from train.synthetic import write_synthetic_prep
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG = 40960

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from synthetic_prep import write_synthetic_prep
 
 from models.export import export_keys, load_export
-from train.synthetic import write_synthetic_prep
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from test_ttt_stubs import OracleDrafter, StubHead, vocab
+from ttt_stubs import OracleDrafter, StubHead, vocab
 
 import train.ttt as ttt
 from data_prep.shards import Sample, ShardSet, ShardSpec, ShardWriter, merge_manifests

@@ -152,7 +152,7 @@ def permutation_pair(
     updates["midlayer.mlp.down_proj.weight"] = ((u[perm] - u).T / act).to(dtype)  # column x: u_π(x) - u_x
     missing = set(updates) - set(sd)
     if missing:
-        raise KeyError(f"drafter state dict lacks {sorted(missing)}: update eval/testing.py to its layout")
+        raise KeyError(f"drafter state dict lacks {sorted(missing)}: update tests/tiny_models.py to its layout")
     sd.update(updates)
     drafter.load_state_dict(sd)
     return target, drafter.eval(), perm
