@@ -31,11 +31,11 @@ def stop_token_ids(model, tokenizer, template_kwargs: dict | None = None) -> tup
         if src is None:
             continue
         ids.extend(src if isinstance(src, (list, tuple)) else [src])
-    try:
-        from data_prep.chat import end_of_turn
+    from data_prep.chat import end_of_turn
 
+    try:
         eot = end_of_turn(tokenizer, template_kwargs=template_kwargs)
-    except (ImportError, ValueError):
+    except ValueError:
         eot = None
     if eot:
         eot_ids = tokenizer.convert_tokens_to_ids([eot])
@@ -184,20 +184,21 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     return report
 
 
-def _json_safe(x):
+def json_safe(x):
+    """`x` as strict JSON takes it: non-finite floats as null (NaN marks a step without targets), keys as str."""
     if isinstance(x, float) and not math.isfinite(x):
         return None
     if isinstance(x, dict):
-        return {str(k): _json_safe(v) for k, v in x.items()}
+        return {str(k): json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
+        return [json_safe(v) for v in x]
     return x
 
 
 def write_report(report: dict, out_dir: Path, plots: bool = True) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "report.json"
-    path.write_text(json.dumps(_json_safe(report), indent=1))
+    path.write_text(json.dumps(json_safe(report), indent=1))
     if plots:
         from eval.plots import plot_accept_histogram, plot_per_position
 
