@@ -3,7 +3,7 @@
     python launch/export.py checkpoint=outputs/run/checkpoints/step_001000 out=outputs/export_1000
     python launch/export.py checkpoint=outputs/run out=outputs/export   # the run's latest checkpoint
 
-The result loads with models.export.load_export and in vLLM/SGLang as LlamaForCausalLMEagle3.
+The result loads with its family's load_export (models/registry.py) and, for EAGLE-3, in vLLM/SGLang as LlamaForCausalLMEagle3.
 """
 
 import hydra

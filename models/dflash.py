@@ -42,16 +42,14 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from models.config import rope_from_hf, target_geometry
-from models.eagle3 import Eagle3MLP, RMSNorm
-from models.export import check_keys, read_weights, write_export
+from models.export import CONFIG_FILE, check_keys, load_tensors, read_weights, write_export
+from models.layers import MLP, RMSNorm
 from models.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, apply_rope
 from models.target_head import EMBED_AND_LM_HEAD, EMBED_KEY, LM_HEAD_KEY
 
 __all__ = ["DFlashCache", "DFlashConfig", "DFlashDrafter", "default_target_layer_ids", "load_export", "save_export"]
 
 ARCHITECTURE = "DFlashDraftModel"
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
 # dflash_config switches of other DFlash variants (SGLang's parser knows them); only their absence is implemented.
 _UNSUPPORTED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "projector_type",
                 "attention_sink_bias", "final_logit_softcapping")
@@ -319,7 +317,7 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DFlashAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = Eagle3MLP(cfg)
+        self.mlp = MLP(cfg)
 
     def forward(self, x: Tensor, k_ctx: Tensor, v_ctx: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), k_ctx, v_ctx, cos, sin, attend)
@@ -450,10 +448,11 @@ def save_export(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype 
 
 def load_export(
     export_dir: str | Path,
+    *,
     target_weights: dict[str, Tensor] | None = None,
-    target_num_layers: int | None = None,
     dtype: torch.dtype = torch.float32,
     attn_backend: str = "auto",
+    target_num_layers: int | None = None,
 ) -> DFlashDrafter:
     """A drafter ready for decoding. target_weights: the target's "embed_tokens.weight" and
     "lm_head.weight" [V, H] (a tied target may give the embedding only). target_num_layers: needed only
@@ -464,11 +463,7 @@ def load_export(
     stored = {k: tensors.pop(k) for k in EMBED_AND_LM_HEAD if k in tensors}  # some public exports carry them
     check_keys(tensors, export_keys(cfg), f"a {ARCHITECTURE} checkpoint of this config")
     drafter = DFlashDrafter(cfg, attn_backend=attn_backend).to(dtype)
-    state = drafter.state_dict()
-    for key, value in tensors.items():
-        if tuple(value.shape) != tuple(state[key].shape):
-            raise ValueError(f"{key}: checkpoint shape {tuple(value.shape)} != config shape {tuple(state[key].shape)}")
-    drafter.load_state_dict({**state, **tensors}, strict=True)  # casts to the drafter's dtype
+    load_tensors(drafter, tensors)
     given = {**stored, **(target_weights or {})}
     embed = given.get(EMBED_KEY)
     head = given.get(LM_HEAD_KEY, embed)  # tied targets share one matrix

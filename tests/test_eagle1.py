@@ -162,7 +162,7 @@ def test_eagle3_reads_its_taps_out_of_a_wider_prep() -> None:
 
     from tiny_models import tiny_drafter
 
-    from train.ttt import Eagle3Objective
+    from train.eagle3 import Eagle3Objective
 
     target = tiny_llama(vocab=32, seed=0, dtype=torch.float64)
     drafter = tiny_drafter(target, aux_layer_ids=[0, 2, 1]).requires_grad_(True)

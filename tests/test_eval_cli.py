@@ -65,7 +65,7 @@ def exported_drafter(tmp_path_factory, tiny_target_dir: Path) -> Path:
     from tiny_models import tiny_drafter
     from transformers import AutoModelForCausalLM
 
-    from models.export import save_export
+    from models.eagle3 import save_export
 
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)

@@ -15,9 +15,8 @@ import torch
 from safetensors.torch import load_file
 from ttt_stubs import random_batch, vocab
 
-from models.eagle3 import Eagle3Config, Eagle3Drafter
-from models.export import export_keys, load_export, save_export
-from models.target_head import TargetHead
+from models.eagle3 import Eagle3Config, Eagle3Drafter, export_keys, load_export, save_export
+from models.target_head import EMBED_KEY, TargetHead
 from train.engine import lr_lambda
 from train.ttt import TTTSettings, shifted_ids, ttt_loss, unroll
 
@@ -108,7 +107,7 @@ def test_variant_export_declares_vllm_flags_and_round_trips(tmp_path: Path) -> N
     tensors = load_file(str(tmp_path / "model.safetensors"))
     assert sorted(tensors) == sorted(export_keys(d.cfg))
     assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(tensors)
-    back = load_export(tmp_path, embed_weight=d.embed_tokens.weight)
+    back = load_export(tmp_path, target_weights={EMBED_KEY: d.embed_tokens.weight})
     assert back.cfg == dataclasses.replace(d.cfg, torch_dtype="float32")
     batch = random_batch("hidden", [7], V, H, n_taps=3, seed=1)
     head = TargetHead(H, V, 1e-6)

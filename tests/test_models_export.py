@@ -11,11 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from models.config import Eagle3Config
-from models.eagle3 import Eagle3Drafter
-from models.export import export_keys, load_export, save_export
+from models.eagle3 import Eagle3Config, Eagle3Drafter, export_keys, load_export, save_export
 from models.registry import family_of_export
-from models.target_head import TargetHead
+from models.target_head import EMBED_KEY, TargetHead
 
 torch.set_num_threads(1)
 
@@ -49,7 +47,7 @@ def logits_of(d: Eagle3Drafter, seed=1) -> torch.Tensor:
 def test_round_trip_fp32_is_exact(tmp_path):
     d = make_drafter()
     save_export(d, tmp_path, dtype=torch.float32)
-    back = load_export(tmp_path, embed_weight=d.embed_tokens.weight)
+    back = load_export(tmp_path, target_weights={EMBED_KEY: d.embed_tokens.weight})
     assert torch.equal(logits_of(back), logits_of(d))
     assert torch.equal(back.d2t, d.d2t) and torch.equal(back.t2d, d.t2d)
     assert back.cfg == dataclasses.replace(d.cfg, torch_dtype="float32")
@@ -66,7 +64,7 @@ def test_round_trip_bf16(tmp_path):
     with torch.no_grad():
         for p in rounded.parameters():
             p.copy_(p.bfloat16().float())
-    back = load_export(tmp_path, embed_weight=rounded.embed_tokens.weight)
+    back = load_export(tmp_path, target_weights={EMBED_KEY: rounded.embed_tokens.weight})
     assert torch.equal(logits_of(back), logits_of(rounded))
 
 
@@ -269,7 +267,7 @@ def test_the_family_table_names_every_piece_of_each_family():
     from models.registry import FAMILIES, METHODS, family_of_drafter
     from train.dflash import DFlashObjective
     from train.eagle1 import Eagle1Objective
-    from train.ttt import Eagle3Objective
+    from train.eagle3 import Eagle3Objective
 
     assert METHODS == ("eagle3", "eagle1", "dflash")
     want = {"eagle3": (Eagle3Objective, EagleDrafting), "eagle1": (Eagle1Objective, EagleDrafting),

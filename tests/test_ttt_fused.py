@@ -11,7 +11,7 @@ from test_ttt_loss import K, N
 from test_ttt_loss import setup as loss_setup
 from ttt_stubs import random_batch
 
-from models.eagle3 import RMSNorm
+from models.layers import RMSNorm
 from train.loss import TeacherRows, chunked_terms, fused_terms
 from train.ttt import TTTSettings, count_valid, ttt_loss
 

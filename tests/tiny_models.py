@@ -46,8 +46,7 @@ def tiny_drafter(
 ):
     """A random Eagle3Drafter for `target` (embedding copied from it). draft_token_ids: the target ids
     of the reduced draft vocabulary (sorted); None = the full vocabulary."""
-    from models.config import Eagle3Config
-    from models.eagle3 import Eagle3Drafter
+    from models.eagle3 import Eagle3Config, Eagle3Drafter
 
     hf = target.config.to_dict()
     vocab = int(hf["vocab_size"])
