@@ -529,9 +529,9 @@ def evaluate_export(export_dir: Path, cfg: RunConfig, prep: Path, head: Any) -> 
 def our_curve(run_dir: Path) -> list[dict]:
     """Our run's held-out evals (metrics.jsonl) with the training wall-clock at each (train.metrics
     .training_clock: evaluations left out, checkpoint saves in; seconds on this data)."""
-    from train.metrics import training_clock
+    from train.metrics import METRICS_FILE, training_clock
 
-    recs = _read_jsonl(run_dir / "metrics.jsonl")
+    recs = _read_jsonl(run_dir / METRICS_FILE)
     evals = [r for r in recs if r["kind"] == "eval"]
     if not evals or evals[0]["step"] != 0:
         raise SystemExit(f"{run_dir}/metrics.jsonl: no step-0 eval to start the clock from")

@@ -9,13 +9,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from data_prep.shards import TARGET_CONFIG_FILE, TARGET_HEAD_FILE
 from train.config import ModelConfig
 
 GEOMETRY_OVERRIDES = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta")
 
 
 def target_config(prep_dir: Path) -> dict:
-    return json.loads((Path(prep_dir) / "target_config.json").read_text())
+    return json.loads((Path(prep_dir) / TARGET_CONFIG_FILE).read_text())
 
 
 def draft_vocab(prep_dir: Path, size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +43,7 @@ def load_head(prep_dir: Path) -> nn.Module:
     """The frozen target norm + lm_head (+ embedding) that turn teacher hidden states into p."""
     from models.target_head import TargetHead
 
-    head = TargetHead.from_file(Path(prep_dir) / "target_head.safetensors", target_config(prep_dir))
+    head = TargetHead.from_file(Path(prep_dir) / TARGET_HEAD_FILE, target_config(prep_dir))
     head.requires_grad_(False)
     return head.eval()
 
