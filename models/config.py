@@ -67,6 +67,30 @@ def for_trained_length(cfg: DrafterConfig, trained_len: int, max_position_embedd
                                rope_scaling=pinned_rope_scaling(cfg.rope_scaling, target_max))  # type: ignore[attr-defined]
 
 
+def layer_geometry(cfg: Any, num_hidden_layers: int) -> dict[str, Any]:
+    """The Llama-style geometry keys of a drafter's config.json, in the order every family writes them."""
+    return {
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": num_hidden_layers,
+        "hidden_act": getattr(cfg, "hidden_act", "silu"),
+        "rms_norm_eps": cfg.rms_norm_eps,
+    }
+
+
+def rope_keys(cfg: Any) -> dict[str, Any]:
+    """A drafter config's rotation in config.json, both spellings: transformers 4 reads rope_theta /
+    rope_scaling, 5 also rope_parameters."""
+    return {
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+        "rope_parameters": {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta},
+    }
+
+
 def target_geometry(hf_config: dict[str, Any]) -> dict[str, Any]:
     """The target's decoder geometry and rope from its HF config dict, as the keyword arguments a drafter
     config of the same width takes (head_dim None = hidden_size // num_attention_heads)."""

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from models.config import rope_from_hf, target_geometry
+from models.config import layer_geometry, rope_from_hf, rope_keys, target_geometry
 from models.export import CONFIG_FILE, check_keys, load_tensors, read_weights, write_export
 from models.layers import MLP, RMSNorm
 from models.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, apply_rope
@@ -150,24 +150,13 @@ class DFlashConfig:
 
     # ------------------------------------------------------------------ engine config.json
     def to_hf_dict(self) -> dict[str, Any]:
-        rope_params = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
         dflash = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
                   "block_size": self.block_size}
         return {
             "architectures": [ARCHITECTURE],
             "model_type": "qwen3",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "num_hidden_layers": self.num_hidden_layers,
-            "hidden_act": self.hidden_act,
-            "rms_norm_eps": self.rms_norm_eps,
-            # Both spellings: transformers 4 reads rope_theta/rope_scaling, 5 also rope_parameters.
-            "rope_theta": self.rope_theta,
-            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
-            "rope_parameters": rope_params,
+            **layer_geometry(self, num_hidden_layers=self.num_hidden_layers),
+            **rope_keys(self),
             "max_position_embeddings": self.max_position_embeddings,
             "attention_bias": False,
             "attention_dropout": 0.0,

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from models.attention import DecodeCache, TTTCache
-from models.config import rope_from_hf, target_geometry
+from models.config import layer_geometry, rope_from_hf, target_geometry
 from models.export import CONFIG_FILE, check_keys, load_tensors, read_weights, write_export
 from models.layers import MLP, DraftAttention, RMSNorm
 from models.rope import RotaryEmbedding
@@ -71,14 +71,7 @@ class Eagle1Config:
         return {
             "architectures": [ARCHITECTURE],
             "model_type": "llama",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "num_hidden_layers": 1,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
+            **layer_geometry(self, num_hidden_layers=1),
             "rope_theta": self.rope_theta,
             "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
             "max_position_embeddings": self.max_position_embeddings,

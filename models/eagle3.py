@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from models.attention import DecodeCache, TTTCache
-from models.config import rope_from_hf, target_geometry
+from models.config import layer_geometry, rope_from_hf, rope_keys, target_geometry
 from models.export import CONFIG_FILE, check_keys, load_tensors, read_weights, write_export
 from models.layers import MLP, DraftAttention, RMSNorm
 from models.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding
@@ -158,7 +158,6 @@ class Eagle3Config:
 
     # ------------------------------------------------------------------ engine config.json
     def to_hf_dict(self) -> dict[str, Any]:
-        rope_params = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
         eagle_config: dict[str, Any] = {
             "eagle_aux_hidden_state_layer_ids": [i + 1 for i in self.aux_layer_ids],  # HF hidden_states index
             "use_aux_hidden_state": True,
@@ -168,18 +167,8 @@ class Eagle3Config:
         return {
             "architectures": [ARCHITECTURE],
             "model_type": "llama",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "num_hidden_layers": 1,
-            "hidden_act": self.hidden_act,
-            "rms_norm_eps": self.rms_norm_eps,
-            # Both spellings: transformers 4 reads rope_theta/rope_scaling, 5 also rope_parameters.
-            "rope_theta": self.rope_theta,
-            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
-            "rope_parameters": rope_params,
+            **layer_geometry(self, num_hidden_layers=1),
+            **rope_keys(self),
             "max_position_embeddings": self.max_position_embeddings,
             "attention_bias": False,
             "mlp_bias": False,
