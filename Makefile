@@ -56,7 +56,7 @@ demo: setup
 	$(MAKE) prep ARGS="$(DEMO_PREP_ARGS)"
 	$(MAKE) train EXP=eagle3_demo
 	$(MAKE) eval ARGS="$(DEMO_EVAL_ARGS)"
-	$(BIN)/python -m eval.demo_summary $(PREP_DIR) $(RUN_DIR)
+	$(BIN)/python launch/demo_summary.py $(PREP_DIR) $(RUN_DIR)
 
 test: setup
 	$(BIN)/pytest -q -x --durations=15 tests

@@ -105,9 +105,9 @@ CALIBRATION_STEPS = 6  # optimizer steps of the run that times a variant's step 
 
 
 def train_seconds(run_dir: Path) -> dict[int, float]:
-    from train.metrics import read_metrics, training_clock
+    from train.metrics import METRICS_FILE, read_metrics, training_clock
 
-    return training_clock(read_metrics(run_dir / "metrics.jsonl"))
+    return training_clock(read_metrics(run_dir / METRICS_FILE))
 
 
 def equal_wall_steps(args: argparse.Namespace, name: str, overrides: list[str], exp: str, budget_s: float) -> int:
@@ -124,8 +124,10 @@ def equal_wall_steps(args: argparse.Namespace, name: str, overrides: list[str], 
 
 
 def train(args: argparse.Namespace, name: str, overrides: list[str], exp: str) -> dict:
+    from train.metrics import RUN_SUMMARY
+
     run_dir = Path(args.out) / name
-    summary = run_dir / "summary.json"
+    summary = run_dir / RUN_SUMMARY
     if not (summary.exists() and json.loads(summary.read_text()).get("finished")):
         torchrun = str(Path(sys.executable).with_name("torchrun"))
         prep = str(Path(args.prep).resolve())
@@ -140,15 +142,19 @@ def train(args: argparse.Namespace, name: str, overrides: list[str], exp: str) -
 
 def eval_history(run_dir: Path) -> list[dict]:
     """The run's held-out evaluations in step order (`train.eval_interval` > 0 gives a learning curve)."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    from train.metrics import METRICS_FILE
+
+    rows = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines() if line.strip()]
     last = {r["step"]: r for r in rows if r.get("kind") == "eval"}  # a resumed run may repeat a step
     return [{"step": s, "sim_tau": r.get("sim_tau"), "acc_0": (r.get("acc_k") or [None])[0]}
             for s, r in sorted(last.items())]
 
 
 def evaluate(args: argparse.Namespace, name: str, mode: str, temperature: float) -> dict:
+    from eval.run import REPORT_FILE
+
     out = Path(args.out) / name / f"eval_{mode}_t{temperature:g}"
-    report = out / "report.json"
+    report = out / REPORT_FILE
     if not report.exists():
         cmd = [sys.executable, "launch/eval.py", f"drafter={(Path(args.out) / name / 'export').resolve()}",
                f"out_dir={out.resolve()}", f"decode.mode={mode}", f"decode.temperature={temperature}",

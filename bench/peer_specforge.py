@@ -45,7 +45,7 @@ losses and accuracies as SpecForge reports them, lr, grad norm, step seconds, cu
 seconds `wall_s` that exclude set-up and exports, tokens, peak RSS), `exports/step_<N>/` (config.json +
 model.safetensors with exactly our export keys: what `launch/eval.py drafter=<dir>`, vLLM and SGLang
 load) every --save-every steps and at the last one, `export_check.json` (the final export loaded by
-`models.export.load_export` reproduces SpecForge's own logits for every TTT step on a held-out sample).
+`models.eagle3.load_export` reproduces SpecForge's own logits for every TTT step on a held-out sample).
 `eval` writes `<peer>/peer_eval.jsonl` (held-out acc_k, α_k, sim τ per export: `train.ttt.evaluate` on
 the prep's eval split with our eval batches, K and precision, i.e. the numbers our training's held-out
 eval logs) and, with --ours, `<peer>/compare.json` + a printed table at equal steps and equal
@@ -122,7 +122,8 @@ def check_supported(cfg: RunConfig) -> None:
 
 def tap_choice(cfg: RunConfig, prep: Path, shard_taps: list[int]) -> tuple[list[int], list[int]]:
     """(tap layers the drafter reads, their columns among the shards' taps): Eagle3Objective's rule."""
-    from models.config import default_aux_layer_ids, target_geometry
+    from models.config import target_geometry
+    from models.eagle3 import default_aux_layer_ids
     from train.batch import tap_columns
     from train.build import target_config
 
@@ -230,9 +231,10 @@ def build_peer(sf: types.SimpleNamespace, cfg: RunConfig, prep: Path, taps: list
                dtype: torch.dtype, compact_teacher: bool) -> tuple[Any, Any, Any, Any]:
     """(OnlineEagle3Model, its LlamaForCausalLMEagle3, Eagle3TrainStrategy, our Eagle3Config) - the sequence
     of specforge.algorithms.model_providers.build_eagle3_draft, with the target's tensors from our prep."""
-    from train.build import draft_vocab, drafter_config, target_config
+    from train.build import draft_vocab, target_config
+    from train.eagle3 import eagle3_config
 
-    ecfg = drafter_config(cfg.model, prep, taps, cfg.data.max_len)
+    ecfg = eagle3_config(cfg.model, prep, taps, cfg.data.max_len)
     torch.manual_seed(cfg.train.seed)
     draft = sf.AutoDraftModel.from_config(specforge_config(ecfg), attention_backend="sdpa", torch_dtype=dtype)
     d2t, t2d = draft_vocab(prep, cfg.model.draft_vocab_size)
@@ -330,7 +332,8 @@ def micro_batches(batch: Any, m: int, columns: list[int], n_src: int, head: Any,
 def save_peer_export(draft: Any, ecfg: Any, out: Path) -> Path:
     """SpecForge's draft state dict under OUR export keys (its names are ours already: fc, midlayer.*, norm,
     lm_head, d2t, t2d) through our writer; anything trainable that the layout would drop is an error."""
-    from models.export import export_keys, write_export
+    from models.eagle3 import export_keys
+    from models.export import write_export
 
     state = draft.state_dict()
     keys = export_keys(ecfg)
@@ -350,7 +353,8 @@ def check_export(draft: Any, export_dir: Path, head: Any, sample: Any, columns: 
     import copy
 
     from models.attention import TTTCache
-    from models.export import load_export
+    from models.eagle3 import load_export
+    from models.target_head import EMBED_KEY
     from train.batch import collate
     from train.ttt import shifted_ids
 
@@ -360,7 +364,7 @@ def check_export(draft: Any, export_dir: Path, head: Any, sample: Any, columns: 
     peer.embed_tokens.weight.copy_(head.embed_tokens.weight)  # not exported: both sides take the target's
     rope = peer.midlayer.self_attn.rotary_emb  # its cos/sin cache was rounded by the bf16 cast: rebuild
     rope._set_cos_sin_cache(seq_len=rope.max_seq_len_cached, device=rope.inv_freq.device, dtype=torch.float32)
-    ours = load_export(export_dir, embed_weight=head.embed_tokens.weight.float(), dtype=torch.float32).eval()
+    ours = load_export(export_dir, target_weights={EMBED_KEY: head.embed_tokens.weight.float()}, dtype=torch.float32).eval()
     # peer's TTT unroll, as OnlineEagle3Model.forward runs it (sdpa backend)
     taps = batch.taps.float()
     pos = torch.arange(T)[None]
@@ -506,7 +510,8 @@ def evaluate_export(export_dir: Path, cfg: RunConfig, prep: Path, head: Any) -> 
     """Held-out metrics of an export, computed as our trainer's held-out eval computes them (train.trainer
     .evaluate on 1 rank): the eval split through ShardBatches (data.eval_batch_size, eval_max_samples,
     data.max_len, length order), fp32 on the CPU, K = train.eval_ttt_steps or ttt_steps, honest acc_k."""
-    from models.export import load_export
+    from models.eagle3 import load_export
+    from models.target_head import EMBED_KEY
     from train.data import ShardBatches
     from train.ttt import TTTSettings, evaluate
 
@@ -514,7 +519,7 @@ def evaluate_export(export_dir: Path, cfg: RunConfig, prep: Path, head: Any) -> 
     eval_data = ShardBatches(prep / "eval", d, d.eval_batch_size, 0, 1, max_samples=d.eval_max_samples)
     n_src = len(eval_data.manifest.tap_layers)
     _, columns = tap_choice(cfg, prep, eval_data.manifest.tap_layers)
-    drafter = load_export(export_dir, embed_weight=head.embed_tokens.weight, dtype=torch.float32,
+    drafter = load_export(export_dir, target_weights={EMBED_KEY: head.embed_tokens.weight}, dtype=torch.float32,
                           attn_backend=cfg.model.attn_backend)
     settings = TTTSettings.from_train(t, held_out=True)
     batches = (b.select_taps(columns, n_src).to("cpu", torch.float32) for b in eval_data.epoch(0, shuffle=False))
@@ -524,9 +529,9 @@ def evaluate_export(export_dir: Path, cfg: RunConfig, prep: Path, head: Any) -> 
 def our_curve(run_dir: Path) -> list[dict]:
     """Our run's held-out evals (metrics.jsonl) with the training wall-clock at each (train.metrics
     .training_clock: evaluations left out, checkpoint saves in; seconds on this data)."""
-    from train.metrics import training_clock
+    from train.metrics import METRICS_FILE, training_clock
 
-    recs = _read_jsonl(run_dir / "metrics.jsonl")
+    recs = _read_jsonl(run_dir / METRICS_FILE)
     evals = [r for r in recs if r["kind"] == "eval"]
     if not evals or evals[0]["step"] != 0:
         raise SystemExit(f"{run_dir}/metrics.jsonl: no step-0 eval to start the clock from")

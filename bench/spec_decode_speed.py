@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from eval.config import DecodeConfig, EvalConfig
-from eval.run import _json_safe, run_eval
+from eval.run import json_safe, run_eval
 
 PLAIN, HF_PLAIN, PROMPT_LOOKUP = "plain", "hf_generate", "hf_prompt_lookup"
 
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    safe = _json_safe(result)
+    safe = json_safe(result)
     out.write_text(json.dumps(safe, indent=1))
     plot(safe["rows"], out.with_suffix(".png"))
     print(json.dumps({k: v for k, v in safe.items() if k != "rows"} | {"rows": [

@@ -75,9 +75,10 @@ def worker(args: argparse.Namespace) -> dict:
     from models.target_head import TargetHead
     from train.batch import Batch
     from train.config import DeepSpeedConfig, TrainConfig
+    from train.eagle3 import Eagle3Objective
     from train.engine import Engine, init_distributed
     from train.trainer import micro_step
-    from train.ttt import Eagle3Objective, TTTSettings
+    from train.ttt import TTTSettings
 
     t0 = time.perf_counter()
     seq_len = args.worker

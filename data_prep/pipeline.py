@@ -45,6 +45,8 @@ from data_prep.conversations import Conversation, SkipReport, load_conversations
 from data_prep.fidelity import check_fidelity, probe_batch
 from data_prep.shards import (
     PREP_SUMMARY,
+    TARGET_CONFIG_FILE,
+    TARGET_HEAD_FILE,
     Sample,
     ShardSpec,
     ShardWriter,
@@ -260,10 +262,10 @@ def capture_split(cfg, head, capture, spec, samples, root: Path, rank: int, devi
 
 
 def save_target_files(head: TargetHead, model, tokenizer, out: Path) -> None:
-    with writing(out / "target_head.safetensors"):
-        head.save(out / "target_head.safetensors", dtype=torch.float32)
-    with writing(out / "target_config.json"):
-        (out / "target_config.json").write_text(json.dumps(model.config.to_dict(), indent=1, default=str))
+    with writing(out / TARGET_HEAD_FILE):
+        head.save(out / TARGET_HEAD_FILE, dtype=torch.float32)
+    with writing(out / TARGET_CONFIG_FILE):
+        (out / TARGET_CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=1, default=str))
     with writing(out / "tokenizer"):
         tokenizer.save_pretrained(out / "tokenizer")
 
@@ -323,7 +325,7 @@ def rebuild_draft_vocab(cfg: PrepConfig) -> dict:
     summary = json.loads(summary_path.read_text())
     tokenizer = AutoTokenizer.from_pretrained(out / "tokenizer")
     splits, _ = select_conversations(cfg)
-    vocab_size = int(json.loads((out / "target_config.json").read_text())["vocab_size"])
+    vocab_size = int(json.loads((out / TARGET_CONFIG_FILE).read_text())["vocab_size"])
     dataset_counts = None
     if cfg.draft_vocab_count == "dataset":
         dataset_counts = dataset_token_counts(cfg, tokenizer, splits["pool"], preset, vocab_size)
@@ -389,7 +391,7 @@ def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, head: TargetHead, model,
         "bytes_per_token_options": {k: v["total"] for k, v in options.items()},
         "capture_tokens_per_s": total["captured_tokens"] / capture_s,
         **vocab_summary(cfg, d2t, t2d, counts, dataset_counts),
-        "target_head_sha256": sha256_file(out / "target_head.safetensors"),
+        "target_head_sha256": sha256_file(out / TARGET_HEAD_FILE),
         "target_head": asdict(head.spec),
         "fidelity": parts[0]["fidelity"],  # rank 0's probe; every rank checked its own
     }

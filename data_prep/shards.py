@@ -50,6 +50,8 @@ from safetensors.torch import save_file
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 PREP_SUMMARY = "summary.json"  # a prep dir's last file: its presence marks the prep finished
+TARGET_HEAD_FILE = "target_head.safetensors"  # the target's frozen embedding, final norm, LM head
+TARGET_CONFIG_FILE = "target_config.json"  # the target's HF config
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 TEACHERS = ("hidden", "topk", "argmax")
 TAP_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32}

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from models.eagle3 import default_aux_layer_ids
+
 PRESET_DIR = Path(__file__).resolve().parents[1] / "conf" / "targets"
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
@@ -48,8 +50,12 @@ class TargetPreset:
 
 
 def default_tap_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's taps: after decoder layers 1, L//2 - 1 and L - 4 (0-based); docs/method.md §4.1."""
-    return [1, num_layers // 2 - 1, num_layers - 4]
+    """EAGLE-3's taps (models.eagle3.default_aux_layer_ids, docs/method.md §4.1); none for a target under 5
+    layers, too shallow for them: its prep names capture.tap_layers (the pre-flight check asks for them)."""
+    try:
+        return default_aux_layer_ids(num_layers)
+    except ValueError:
+        return []
 
 
 def list_presets() -> list[str]:

@@ -12,5 +12,4 @@
     prompts.py      MT-bench preset / JSONL prompts, chat rendering
     run.py          the eval run behind launch/eval.py: report.json, plots, summary
     peers.py        transformers' prompt-lookup assisted decoding as a peer baseline
-    testing.py      tiny targets / drafters and the rank goodness-of-fit test used by tests
 """

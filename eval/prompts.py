@@ -93,14 +93,7 @@ def _short(x) -> str:
 
 def render(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
     """Chat-template the conversation so far, ending with the assistant's turn opening (the same
-    rendering data preparation uses, data_prep.chat.render_prompt)."""
-    try:
-        from data_prep.chat import render_prompt
-    except ImportError:  # minimal installs without data_prep's chat module
-        render_prompt = None
-    if render_prompt is not None:
-        return [int(i) for i in render_prompt(tokenizer, messages, template_kwargs=template_kwargs)]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **(template_kwargs or {}))
-    if hasattr(ids, "keys"):  # BatchEncoding from newer transformers
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
+    rendering data preparation uses: data_prep.chat.render_prompt, the one home of prompt rendering)."""
+    from data_prep.chat import render_prompt
+
+    return [int(i) for i in render_prompt(tokenizer, messages, template_kwargs=template_kwargs)]

@@ -21,6 +21,9 @@ from eval.prompts import load_prompts, render
 from eval.sampling import SamplingParams
 from eval.spec_decode import GenerationRecord, SpecSettings, SpeculativeDecoder, plain_generate
 from eval.target import TargetRunner
+from models.export import CONFIG_FILE
+
+REPORT_FILE = "report.json"
 
 
 def stop_token_ids(model, tokenizer, template_kwargs: dict | None = None) -> tuple[int, ...]:
@@ -31,11 +34,11 @@ def stop_token_ids(model, tokenizer, template_kwargs: dict | None = None) -> tup
         if src is None:
             continue
         ids.extend(src if isinstance(src, (list, tuple)) else [src])
-    try:
-        from data_prep.chat import end_of_turn
+    from data_prep.chat import end_of_turn
 
+    try:
         eot = end_of_turn(tokenizer, template_kwargs=template_kwargs)
-    except (ImportError, ValueError):
+    except ValueError:
         eot = None
     if eot:
         eot_ids = tokenizer.convert_tokens_to_ids([eot])
@@ -49,7 +52,7 @@ def load_drafter(export_dir: str, target_model, device: str, dtype: torch.dtype)
     from models.registry import family_of_export
     from models.target_head import EMBED_KEY, LM_HEAD_KEY, scaled_embedding_weight
 
-    raw = json.loads((Path(export_dir) / "config.json").read_text())
+    raw = json.loads((Path(export_dir) / CONFIG_FILE).read_text())
     embed = scaled_embedding_weight(target_model)  # as the target embeds (Gemma: times sqrt(hidden))
     text_cfg = target_model.config.get_text_config()
     head = target_model.get_output_embeddings()
@@ -200,20 +203,21 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     return report
 
 
-def _json_safe(x):
+def json_safe(x):
+    """`x` as strict JSON takes it: non-finite floats as null (NaN marks a step without targets), keys as str."""
     if isinstance(x, float) and not math.isfinite(x):
         return None
     if isinstance(x, dict):
-        return {str(k): _json_safe(v) for k, v in x.items()}
+        return {str(k): json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
+        return [json_safe(v) for v in x]
     return x
 
 
 def write_report(report: dict, out_dir: Path, plots: bool = True) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "report.json"
-    path.write_text(json.dumps(_json_safe(report), indent=1))
+    path = out_dir / REPORT_FILE
+    path.write_text(json.dumps(json_safe(report), indent=1))
     if plots:
         from eval.plots import plot_accept_histogram, plot_per_position
 

@@ -7,22 +7,17 @@ Writes <out_dir>/report.json (τ pooled and per request, α_n, tokens/s, speedup
 Schema: eval/config.py (EvalConfig); decoding: eval/spec_decode.py.
 """
 
-import sys
-from pathlib import Path
+import hydra
+from omegaconf import OmegaConf
 
-# Run as a script, this file's folder is sys.path[0] and this very file would shadow the `eval` package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
-import hydra  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from eval.config import EvalConfig, register_configs  # noqa: E402
-from eval.run import format_summary, run_eval  # noqa: E402
+from launch.paths import CONF_DIR
+from eval.config import EvalConfig, register_configs
+from eval.run import format_summary, run_eval
 
 register_configs()
 
 
-@hydra.main(config_path="../conf/eval", config_name="eval", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR / "eval"), config_name="eval", version_base="1.3")
 def main(raw) -> None:
     cfg: EvalConfig = OmegaConf.to_object(raw)
     report = run_eval(cfg)

@@ -3,25 +3,20 @@
     python launch/export.py checkpoint=outputs/run/checkpoints/step_001000 out=outputs/export_1000
     python launch/export.py checkpoint=outputs/run out=outputs/export   # the run's latest checkpoint
 
-The result loads with models.export.load_export and in vLLM/SGLang as LlamaForCausalLMEagle3.
+The result loads with its family's load_export (models/registry.py) and, for EAGLE-3, in vLLM/SGLang as LlamaForCausalLMEagle3.
 """
 
-import os
-import sys
+import hydra
+from omegaconf import OmegaConf
 
-# This script's directory comes first on sys.path, where launch/train.py would shadow the `train` package.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-
-import hydra  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from train.config import ExportConfig, register_configs  # noqa: E402
-from train.export import export_checkpoint  # noqa: E402
+from launch.paths import CONF_DIR
+from train.config import ExportConfig, register_configs
+from train.export import export_checkpoint
 
 register_configs()
 
 
-@hydra.main(config_path="../conf", config_name="export", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="export", version_base="1.3")
 def main(raw) -> None:
     cfg: ExportConfig = OmegaConf.to_object(raw)
     out = export_checkpoint(cfg.checkpoint, cfg.out, cfg.max_position_embeddings)

@@ -23,21 +23,18 @@ filesystem every node sees (rank 0 writes checkpoints; every rank reads them on 
 import os
 import sys
 
-# Python puts this script's directory first on sys.path, where this very file would shadow the `train`
-# package; the entry point needs the package.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+import hydra
+from hydra.core.hydra_config import HydraConfig
 
-import hydra  # noqa: E402
-from hydra.core.hydra_config import HydraConfig  # noqa: E402
-
-from train.config import ConfigError, RunConfig, register_configs  # noqa: E402
-from train.engine import shutdown_distributed  # noqa: E402
-from train.trainer import run  # noqa: E402
+from launch.paths import CONF_DIR
+from train.config import ConfigError, RunConfig, register_configs
+from train.engine import shutdown_distributed
+from train.trainer import run
 
 register_configs()
 
 
-@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def main(raw) -> None:
     try:
         cfg = RunConfig.from_omegaconf(raw).validate(world_size=int(os.environ.get("WORLD_SIZE", "1")))
@@ -46,10 +43,15 @@ def main(raw) -> None:
     run(cfg, HydraConfig.get().runtime.output_dir)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The entry point (this script, `drafters-train`): every rank runs it under torchrun."""
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:  # one .hydra/ per run dir, written by rank 0; each rank its own log file
         sys.argv += ["hydra.output_subdir=null",
                      f"hydra.job_logging.handlers.file.filename=${{hydra.runtime.output_dir}}/train.rank{rank}.log"]
     main()
     shutdown_distributed()
+
+
+if __name__ == "__main__":
+    cli()

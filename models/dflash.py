@@ -41,17 +41,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from models.config import rope_from_hf, target_geometry
-from models.eagle3 import Eagle3MLP, RMSNorm
-from models.export import check_keys, read_weights, write_export
+from models.config import layer_geometry, rope_from_hf, rope_keys, target_geometry
+from models.export import CONFIG_FILE, check_keys, load_tensors, read_weights, write_export
+from models.layers import MLP, RMSNorm
 from models.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, apply_rope
 from models.target_head import EMBED_AND_LM_HEAD, EMBED_KEY, LM_HEAD_KEY
 
 __all__ = ["DFlashCache", "DFlashConfig", "DFlashDrafter", "default_target_layer_ids", "load_export", "save_export"]
 
 ARCHITECTURE = "DFlashDraftModel"
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
 # dflash_config switches of other DFlash variants (SGLang's parser knows them); only their absence is implemented.
 _UNSUPPORTED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "projector_type",
                 "attention_sink_bias", "final_logit_softcapping")
@@ -152,24 +150,13 @@ class DFlashConfig:
 
     # ------------------------------------------------------------------ engine config.json
     def to_hf_dict(self) -> dict[str, Any]:
-        rope_params = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
         dflash = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
                   "block_size": self.block_size}
         return {
             "architectures": [ARCHITECTURE],
             "model_type": "qwen3",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "num_hidden_layers": self.num_hidden_layers,
-            "hidden_act": self.hidden_act,
-            "rms_norm_eps": self.rms_norm_eps,
-            # Both spellings: transformers 4 reads rope_theta/rope_scaling, 5 also rope_parameters.
-            "rope_theta": self.rope_theta,
-            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
-            "rope_parameters": rope_params,
+            **layer_geometry(self, num_hidden_layers=self.num_hidden_layers),
+            **rope_keys(self),
             "max_position_embeddings": self.max_position_embeddings,
             "attention_bias": False,
             "attention_dropout": 0.0,
@@ -319,7 +306,7 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DFlashAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = Eagle3MLP(cfg)
+        self.mlp = MLP(cfg)
 
     def forward(self, x: Tensor, k_ctx: Tensor, v_ctx: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), k_ctx, v_ctx, cos, sin, attend)
@@ -450,10 +437,11 @@ def save_export(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype 
 
 def load_export(
     export_dir: str | Path,
+    *,
     target_weights: dict[str, Tensor] | None = None,
-    target_num_layers: int | None = None,
     dtype: torch.dtype = torch.float32,
     attn_backend: str = "auto",
+    target_num_layers: int | None = None,
 ) -> DFlashDrafter:
     """A drafter ready for decoding. target_weights: the target's "embed_tokens.weight" and
     "lm_head.weight" [V, H] (a tied target may give the embedding only). target_num_layers: needed only
@@ -464,11 +452,7 @@ def load_export(
     stored = {k: tensors.pop(k) for k in EMBED_AND_LM_HEAD if k in tensors}  # some public exports carry them
     check_keys(tensors, export_keys(cfg), f"a {ARCHITECTURE} checkpoint of this config")
     drafter = DFlashDrafter(cfg, attn_backend=attn_backend).to(dtype)
-    state = drafter.state_dict()
-    for key, value in tensors.items():
-        if tuple(value.shape) != tuple(state[key].shape):
-            raise ValueError(f"{key}: checkpoint shape {tuple(value.shape)} != config shape {tuple(state[key].shape)}")
-    drafter.load_state_dict({**state, **tensors}, strict=True)  # casts to the drafter's dtype
+    load_tensors(drafter, tensors)
     given = {**stored, **(target_weights or {})}
     embed = given.get(EMBED_KEY)
     head = given.get(LM_HEAD_KEY, embed)  # tied targets share one matrix

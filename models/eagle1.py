@@ -25,15 +25,14 @@ import torch
 from torch import Tensor, nn
 
 from models.attention import DecodeCache, TTTCache
-from models.config import rope_from_hf, target_geometry
-from models.eagle3 import Eagle3Attention, Eagle3MLP, RMSNorm
-from models.export import check_keys, read_weights, write_export
+from models.config import layer_geometry, rope_from_hf, target_geometry
+from models.export import CONFIG_FILE, check_keys, load_tensors, read_weights, write_export
+from models.layers import MLP, DraftAttention, RMSNorm
 from models.rope import RotaryEmbedding
 from models.target_head import EMBED_KEY, LM_HEAD_KEY
 
 ARCHITECTURE = "LlamaForCausalLM"  # what public EAGLE-1 drafters declare (vLLM maps it to its Eagle class)
 FINAL_FEATURE = -1  # tap id of the target's post-norm top-layer feature (eval.target.FINAL_FEATURE)
-WEIGHTS_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 
 
 @dataclass
@@ -72,14 +71,7 @@ class Eagle1Config:
         return {
             "architectures": [ARCHITECTURE],
             "model_type": "llama",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "num_hidden_layers": 1,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
+            **layer_geometry(self, num_hidden_layers=1),
             "rope_theta": self.rope_theta,
             "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
             "max_position_embeddings": self.max_position_embeddings,
@@ -112,9 +104,9 @@ class Eagle1Config:
 class Eagle1Layer(nn.Module):
     def __init__(self, cfg: Eagle1Config, backend: str, options: dict[str, Any]) -> None:
         super().__init__()
-        self.self_attn = Eagle3Attention(cfg, backend, options, in_features=cfg.hidden_size)
+        self.self_attn = DraftAttention(cfg, backend, options, in_features=cfg.hidden_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = Eagle3MLP(cfg)
+        self.mlp = MLP(cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache, attn_mask: Tensor | None) -> Tensor:
         h = x + self.self_attn(x, cos, sin, cache, attn_mask)
@@ -190,20 +182,22 @@ def save_export(drafter: Eagle1Drafter, out_dir: str | Path, dtype: torch.dtype 
 
 def load_export(
     export_dir: str | Path,
+    *,
     target_weights: dict[str, Tensor] | None = None,
-    target_num_layers: int | None = None,
-    attn_backend: str = "auto",
     dtype: torch.dtype = torch.float32,
+    attn_backend: str = "auto",
+    target_num_layers: int | None = None,
 ) -> Eagle1Drafter:
     """Our export or a public EAGLE-1 drafter (its embed_tokens.weight, if stored, is the target's and is
-    replaced by target_weights). target_weights: {"embed_tokens.weight", "lm_head.weight"} of the target."""
+    replaced by target_weights). target_weights: {"embed_tokens.weight", "lm_head.weight"} of the target.
+    target_num_layers: not needed (EAGLE-1 reads no tap layers); every family's loader takes it."""
     d = Path(export_dir)
     cfg = Eagle1Config.from_hf_dict(json.loads((d / CONFIG_FILE).read_text()))
     tensors = read_weights(d)
     stored_embed = tensors.pop(EMBED_KEY, None)
     check_keys(tensors, export_keys(cfg), "an EAGLE-1 drafter")
     drafter = Eagle1Drafter(cfg, attn_backend=attn_backend).to(dtype)
-    drafter.load_state_dict({**drafter.state_dict(), **tensors}, strict=True)
+    load_tensors(drafter, tensors)
     weights = dict(target_weights or {})
     embed = weights.get(EMBED_KEY, stored_embed)
     if embed is None or LM_HEAD_KEY not in weights:

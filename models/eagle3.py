@@ -1,4 +1,6 @@
-"""The EAGLE-3 drafter (docs/method.md §4.1, §8): parameter names are the export keys SGLang/vLLM load.
+"""EAGLE-3 (docs/method.md §4.1, §8): its config, its drafter and its engine export, in one file.
+
+The drafter; parameter names are the export keys SGLang/vLLM load:
 
     g = fc(cat(taps))                                   # fuse the target's taps, step 0 only
                                                         # (fc_norm: each tap RMS-normed first)
@@ -7,21 +9,222 @@
     h = h + mlp(post_attention_layernorm(h))            # -> forward_step's output, fed back at the next step
     logits = lm_head(norm(h))                           # over the draft vocabulary Vd
     next step's hidden stream = h, or norm(h) with norm_output (`next_input`)
+
+Eagle3Config: the drafter's geometry, built from the target's HF config and written as the engines'
+config.json. Layer-id conventions - the one place they are converted:
+- `aux_layer_ids` here are 0-based decoder layer ids: the tap is the hidden state AFTER layer i (the same ids
+  as the shard manifest's `tap_layers`).
+- `eagle_config.eagle_aux_hidden_state_layer_ids` in config.json is in HF `output_hidden_states` indexing
+  (entry 0 = embedding output), i.e. 0-based id + 1: vLLM records the input of layer j, which is the output
+  of layer j - 1. Engines default to (2, L//2, L-3) there, the same layers as our [1, L//2-1, L-4].
+
+Export = what serving engines load: config.json (LlamaForCausalLMEagle3) + model.safetensors (written by
+models/export.py's shared writer). Written keys: fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t,
+t2d; never the embedding (engines share the target's). `load_export` also reads public EAGLE-3 drafters:
+`layers.0.*` instead of `midlayer.*`, an included embed_tokens.weight, pytorch_model.bin, t2d absent
+(derived from d2t), d2t absent when draft_vocab_size == vocab_size (identity). Like vLLM's loader, any
+other key is an error.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.attention import AttnCore, DecodeCache, TTTCache, ttt_core
-from models.config import Eagle3Config
-from models.rope import RotaryEmbedding, apply_rope
+from models.attention import DecodeCache, TTTCache
+from models.config import layer_geometry, rope_from_hf, rope_keys, target_geometry
+from models.export import CONFIG_FILE, check_keys, load_tensors, read_weights, write_export
+from models.layers import MLP, DraftAttention, RMSNorm
+from models.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding
+from models.target_head import EMBED_KEY
 
-__all__ = ["Eagle3Config", "Eagle3Drafter", "RMSNorm", "next_input"]
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+# Other names public EAGLE-3 checkpoints use for the same layout.
+ARCHITECTURE_ALIASES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")
+# eagle_config switches of vLLM's loader that change the forward; only their default (off) is implemented.
+_UNSUPPORTED_FLAGS = ("norm_before_residual", "norm_before_fc")
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """0-based taps [1, L//2 - 1, L - 4] (= HF hidden_states entries [2, L//2, L - 3]): EAGLE-3's default, and
+    the one place its formula is written."""
+    if num_layers < 5:
+        raise ValueError(f"default EAGLE-3 taps need a target with >= 5 layers, got {num_layers}")
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int  # target vocabulary V (embed_tokens rows, t2d length)
+    draft_vocab_size: int  # Vd (lm_head rows, d2t length)
+    aux_layer_ids: list[int]  # 0-based target layers tapped, in concat order
+    head_dim: int | None = None  # None -> hidden_size // num_attention_heads
+    target_hidden_size: int | None = None  # None -> hidden_size; fc input = n_taps * target_hidden_size
+    target_num_layers: int | None = None  # only used to validate aux_layer_ids
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # None = plain RoPE; else has "rope_type"
+    max_position_embeddings: int = 2048
+    hidden_act: str = "silu"
+    torch_dtype: str = "bfloat16"  # dtype recorded in the exported config.json
+    # The "EAGLE-3.1" variant (vLLM's keys): an RMSNorm on each tap before fc, and the NORMED hidden state
+    # (instead of the un-normed one) fed to the next draft step.
+    fc_norm: bool = False
+    norm_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
+
+    @property
+    def n_taps(self) -> int:
+        return len(self.aux_layer_ids)
+
+    @property
+    def fc_in_features(self) -> int:
+        assert self.target_hidden_size is not None
+        return self.n_taps * self.target_hidden_size
+
+    def validate(self) -> Eagle3Config:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"Eagle3Config: {msg}")
+
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                     "vocab_size", "draft_vocab_size", "head_dim", "target_hidden_size",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and value > 0, f"{name} must be a positive int, got {value!r}")
+        need(self.num_attention_heads % self.num_key_value_heads == 0,
+             f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+             f"({self.num_key_value_heads})")
+        need(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
+        need(self.draft_vocab_size <= self.vocab_size,
+             f"draft_vocab_size ({self.draft_vocab_size}) > vocab_size ({self.vocab_size})")
+        need(len(self.aux_layer_ids) > 0, "aux_layer_ids is empty")
+        need(len(set(self.aux_layer_ids)) == len(self.aux_layer_ids), f"duplicate aux_layer_ids {self.aux_layer_ids}")
+        need(min(self.aux_layer_ids) >= 0, f"aux_layer_ids are 0-based and must be >= 0: {self.aux_layer_ids}")
+        if self.target_num_layers is not None:
+            need(max(self.aux_layer_ids) < self.target_num_layers,
+                 f"aux_layer_ids {self.aux_layer_ids} out of range for a {self.target_num_layers}-layer target")
+        need(self.hidden_act == "silu", f"only hidden_act='silu' (SwiGLU) is implemented, got {self.hidden_act!r}")
+        need(self.rms_norm_eps > 0, "rms_norm_eps must be > 0")
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type")
+            need(rope_type in SUPPORTED_ROPE_TYPES, f"rope_type {rope_type!r} not in {SUPPORTED_ROPE_TYPES}")
+        if self.n_taps != 3:
+            warnings.warn(f"{self.n_taps} taps: vLLM and SGLang build fc with 3 * target_hidden_size inputs, "
+                          "so this drafter will only load in this project", stacklevel=2)
+        return self
+
+    # ------------------------------------------------------------------ construction from the target
+    @classmethod
+    def from_target_config(
+        cls,
+        hf_config: dict[str, Any],
+        draft_vocab_size: int,
+        aux_layer_ids: list[int] | None = None,
+        **overrides: Any,
+    ) -> Eagle3Config:
+        """Drafter geometry = the target's (a one-layer Llama block of the same width); `overrides` replace
+        any field (e.g. intermediate_size=...)."""
+        geometry = target_geometry(hf_config)
+        num_layers = geometry.pop("num_target_layers")
+        cfg = cls(
+            **geometry,
+            draft_vocab_size=int(draft_vocab_size),
+            aux_layer_ids=list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(num_layers),
+            target_hidden_size=geometry["hidden_size"],
+            target_num_layers=num_layers,
+        )
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown Eagle3Config overrides: {sorted(unknown)}")
+        return dataclasses.replace(cfg, **overrides).validate()
+
+    # ------------------------------------------------------------------ engine config.json
+    def to_hf_dict(self) -> dict[str, Any]:
+        eagle_config: dict[str, Any] = {
+            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in self.aux_layer_ids],  # HF hidden_states index
+            "use_aux_hidden_state": True,
+        }
+        if self.target_num_layers is not None:
+            eagle_config["target_num_hidden_layers"] = self.target_num_layers  # ours; engines ignore it
+        return {
+            "architectures": [ARCHITECTURE],
+            "model_type": "llama",
+            **layer_geometry(self, num_hidden_layers=1),
+            **rope_keys(self),
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "tie_word_embeddings": False,
+            "eagle_config": eagle_config,
+            "fc_norm": self.fc_norm,
+            "norm_output": self.norm_output,
+            "torch_dtype": self.torch_dtype,
+        }
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], target_num_layers: int | None = None) -> Eagle3Config:
+        """Read an exported (ours or a public drafter's) LlamaForCausalLMEagle3 config.json."""
+        arch = (d.get("architectures") or [None])[0]
+        if arch not in ARCHITECTURE_ALIASES:
+            raise ValueError(f"architectures[0] is {arch!r}; expected one of {ARCHITECTURE_ALIASES}")
+        if int(d.get("num_hidden_layers", 1)) != 1:
+            raise ValueError(f"only one-layer EAGLE-3 drafters are supported, got {d['num_hidden_layers']} layers")
+        eagle = dict(d.get("eagle_config") or {})
+        on = [k for k in _UNSUPPORTED_FLAGS if d.get(k) or eagle.get(k)]
+        if on or eagle.get("use_aux_hidden_state") is False:
+            raise ValueError(f"drafter variant not supported: {on or ['use_aux_hidden_state=false']}")
+        target_num_layers = target_num_layers or eagle.get("target_num_hidden_layers")
+        hf_ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+        if hf_ids is not None:
+            aux = [int(i) - 1 for i in hf_ids]
+        elif target_num_layers is not None:
+            aux = default_aux_layer_ids(int(target_num_layers))
+        else:
+            raise ValueError("config.json has no eagle_config.eagle_aux_hidden_state_layer_ids: pass "
+                             "target_num_layers (the target's decoder layer count) to derive the engines' default")
+        theta, scaling = rope_from_hf(d)
+        hidden = int(d["hidden_size"])
+        return cls(
+            hidden_size=hidden,
+            num_attention_heads=int(d["num_attention_heads"]),
+            num_key_value_heads=int(d.get("num_key_value_heads") or d["num_attention_heads"]),
+            head_dim=d.get("head_dim") or None,
+            intermediate_size=int(d["intermediate_size"]),
+            vocab_size=int(d["vocab_size"]),
+            draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]),
+            aux_layer_ids=aux,
+            target_hidden_size=int(d.get("target_hidden_size") or hidden),
+            target_num_layers=int(target_num_layers) if target_num_layers is not None else None,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            hidden_act=str(d.get("hidden_act", "silu")),
+            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
+            fc_norm=bool(d.get("fc_norm", False)),
+            norm_output=bool(d.get("norm_output", False)),
+        ).validate()
 
 
 def next_input(drafter: nn.Module, out: Tensor) -> Tensor:
@@ -31,75 +234,14 @@ def next_input(drafter: nn.Module, out: Tensor) -> Tensor:
     return out if step is None else step(out)
 
 
-class RMSNorm(nn.Module):
-    """Llama RMSNorm: normalise in fp32, cast back, then scale (same op order as transformers)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-class Eagle3Attention(nn.Module):
-    """Llama attention over a TTTCache (training) or a DecodeCache (drafting). `in_features`: the width of
-    its input stream, 2H for EAGLE-3's [embeds, hidden] (the default), H for EAGLE-1."""
-
-    def __init__(self, cfg: Any, backend: str, options: dict[str, Any], in_features: int | None = None) -> None:
-        super().__init__()
-        assert cfg.head_dim is not None
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.scale = self.head_dim**-0.5
-        self.backend, self.options = backend, options
-        # Replaceable from outside (e.g. sequence parallelism); see models.attention.ttt_core.
-        self.attn_core: AttnCore = ttt_core
-        d_in = in_features or 2 * cfg.hidden_size
-        self.q_proj = nn.Linear(d_in, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(d_in, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(d_in, self.n_kv * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
-
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, cache: TTTCache | DecodeCache, attn_mask: Tensor | None
-    ) -> Tensor:
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if isinstance(cache, DecodeCache):
-            out = cache.attend(q, k, v, self.scale, attn_mask)
-        else:
-            if attn_mask is not None:
-                raise ValueError("attn_mask is only meaningful with a DecodeCache; TTT masks are implicit")
-            out = self.attn_core(q, k, v, cache, self.scale, self.backend, **self.options)
-        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, Hq*D)
-        return self.o_proj(out)
-
-
-class Eagle3MLP(nn.Module):
-    def __init__(self, cfg: Any) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Eagle3DecoderLayer(nn.Module):
     def __init__(self, cfg: Eagle3Config, backend: str, options: dict[str, Any]) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Eagle3Attention(cfg, backend, options)
+        self.self_attn = DraftAttention(cfg, backend, options)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = Eagle3MLP(cfg)
+        self.mlp = MLP(cfg)
 
     def forward(
         self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor,
@@ -211,3 +353,67 @@ class Eagle3Drafter(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[.., H] -> [.., Vd]"""
         return self.lm_head(self.norm(hidden))
+
+
+# ------------------------------------------------------------------ engine export
+def export_keys(cfg: Eagle3Config | None = None) -> list[str]:
+    """The exact tensor names save_export writes (+ vLLM's `fc_norm.{i}.weight` for the fc_norm variant)."""
+    layer = [f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"]
+    layer += [f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    layer += [f"midlayer.{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")]
+    fc_norm = [f"fc_norm.{i}.weight" for i in range(cfg.n_taps)] if cfg is not None and cfg.fc_norm else []
+    return [*fc_norm, "fc.weight", *layer, "norm.weight", "lm_head.weight", "d2t", "t2d"]
+
+
+def save_export(drafter: Eagle3Drafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    return write_export(drafter.state_dict(), export_keys(drafter.cfg), drafter.cfg.to_hf_dict(), out_dir, dtype)
+
+
+def normalize_keys(tensors: dict[str, Tensor], cfg: Eagle3Config) -> dict[str, Tensor]:
+    """Public layouts -> our parameter names; fills d2t/t2d where they may be derived; errors on the rest."""
+    t = {(f"midlayer.{k[len('layers.0.'):]}" if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
+    if "d2t" not in t:
+        if cfg.draft_vocab_size != cfg.vocab_size:
+            raise ValueError(f"no d2t but draft_vocab_size ({cfg.draft_vocab_size}) != vocab_size "
+                             f"({cfg.vocab_size}): the draft->target mapping is lost")
+        t["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
+    if "t2d" not in t:
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(cfg.draft_vocab_size) + t["d2t"].long()] = True
+        t["t2d"] = t2d
+    check_keys({k: v for k, v in t.items() if k != EMBED_KEY}, export_keys(cfg),
+               "an EAGLE-3 LlamaForCausalLMEagle3 checkpoint")
+    return t
+
+
+def load_export(
+    export_dir: str | Path,
+    *,
+    target_weights: dict[str, Tensor] | None = None,
+    dtype: torch.dtype = torch.float32,
+    attn_backend: str = "auto",
+    target_num_layers: int | None = None,
+) -> Eagle3Drafter:
+    """The drafter of an export, ready for decoding. target_weights: the target's tensors by name; EAGLE-3
+    takes its [V, H] embedding ("embed_tokens.weight", which wins over one stored in the checkpoint) and no
+    other. target_num_layers: needed only for configs without eagle_aux_hidden_state_layer_ids."""
+    embed_weight = (target_weights or {}).get(EMBED_KEY)
+    from models.registry import family_of_export
+
+    d = Path(export_dir)
+    raw = json.loads((d / CONFIG_FILE).read_text())
+    cfg = Eagle3Config.from_hf_dict(raw, target_num_layers=target_num_layers)
+    if family_of_export(raw).method != "eagle3":
+        raise ValueError(f"{d / CONFIG_FILE}: architectures {raw.get('architectures')} is not an EAGLE-3 export")
+    tensors = normalize_keys(read_weights(d), cfg)
+    drafter = Eagle3Drafter(cfg, attn_backend=attn_backend).to(dtype)
+    stored_embed = tensors.pop(EMBED_KEY, None)
+    load_tensors(drafter, tensors)
+    embed = embed_weight if embed_weight is not None else stored_embed
+    if embed is not None:
+        drafter.load_target_embedding(embed.to(dtype))
+    else:
+        warnings.warn("no target embedding given or stored: embed_tokens stays random until "
+                      "load_target_embedding()", stacklevel=2)
+    drafter.set_vocab_mapping(drafter.d2t.clone(), drafter.t2d.clone())  # re-check the loaded mapping
+    return drafter

@@ -6,7 +6,8 @@ an objective and a drafting strategy, plus an entry here. Everything is named as
 imported lazily, so reading this table costs nothing and models/ imports nothing of train/ or eval/.
 
 Every family's module provides: a config dataclass, a drafter nn.Module with `cfg`, `save_export(drafter,
-out_dir)` and `load_export(export_dir, target_weights=..., ...)`. `frozen_keys` are the target's own
+out_dir)` and `load_export(export_dir, *, target_weights, dtype, attn_backend, target_num_layers)` (one
+keyword signature in every family). `frozen_keys` are the target's own
 tensors the drafter holds frozen (embedding, LM head): never trained, checkpointed or exported, and
 supplied from the target when the drafter is rebuilt.
 """
@@ -19,20 +20,19 @@ from types import ModuleType
 
 from torch import Tensor, nn
 
-from models.config import ARCHITECTURE_ALIASES
+from models.eagle3 import ARCHITECTURE_ALIASES
 from models.target_head import EMBED_AND_LM_HEAD, EMBED_KEY
 
 
 @dataclass(frozen=True)
 class DrafterFamily:
     method: str
-    module: str  # "models.eagle3"
+    module: str  # "models.eagle3": its config, drafter and export (save_export / load_export)
     config_class: str
     drafter_class: str
-    export_module: str  # where save_export / load_export live
     architectures: tuple[str, ...]  # config.json architectures[0] values of its exports
     frozen_keys: tuple[str, ...]
-    objective: str  # "train.ttt:Eagle3Objective": what the train loop asks of the method (train/objective.py)
+    objective: str  # "train.eagle3:Eagle3Objective": what the train loop asks of the method (train/objective.py)
     drafting: str  # "eval.drafting:EagleDrafting": how the decoder drafts with it (eval/drafting.py)
 
     def _load(self, name: str) -> ModuleType:
@@ -59,10 +59,10 @@ class DrafterFamily:
         return getattr(self._load(self.module), self.drafter_class)
 
     def save_export(self, drafter: nn.Module, out_dir, **kw):
-        return self._load(self.export_module).save_export(drafter, out_dir, **kw)
+        return self._load(self.module).save_export(drafter, out_dir, **kw)
 
     def load_export(self, export_dir, **kw) -> nn.Module:
-        return self._load(self.export_module).load_export(export_dir, **kw)
+        return self._load(self.module).load_export(export_dir, **kw)
 
     def from_state(self, config: dict, params: dict[str, Tensor], buffers: dict[str, Tensor]) -> nn.Module:
         """A CPU drafter from a checkpoint's config + trained tensors; frozen target tensors stay zero."""
@@ -83,17 +83,17 @@ class DrafterFamily:
 
 FAMILIES: dict[str, DrafterFamily] = {
     "eagle3": DrafterFamily(
-        "eagle3", "models.eagle3", "Eagle3Config", "Eagle3Drafter", "models.export",
+        "eagle3", "models.eagle3", "Eagle3Config", "Eagle3Drafter",
         tuple(ARCHITECTURE_ALIASES), (EMBED_KEY,),
-        "train.ttt:Eagle3Objective", "eval.drafting:EagleDrafting",
+        "train.eagle3:Eagle3Objective", "eval.drafting:EagleDrafting",
     ),
     "eagle1": DrafterFamily(
-        "eagle1", "models.eagle1", "Eagle1Config", "Eagle1Drafter", "models.eagle1",
+        "eagle1", "models.eagle1", "Eagle1Config", "Eagle1Drafter",
         ("LlamaForCausalLM", "EagleLlamaForCausalLM"), EMBED_AND_LM_HEAD,
         "train.eagle1:Eagle1Objective", "eval.drafting:EagleDrafting",
     ),
     "dflash": DrafterFamily(
-        "dflash", "models.dflash", "DFlashConfig", "DFlashDrafter", "models.dflash",
+        "dflash", "models.dflash", "DFlashConfig", "DFlashDrafter",
         ("DFlashDraftModel",), EMBED_AND_LM_HEAD,
         "train.dflash:DFlashObjective", "eval.dflash_drafting:DFlashDrafting",
     ),

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from models.eagle3 import RMSNorm
+from models.layers import RMSNorm
 
 # The names of the target's own tensors, everywhere a drafter holds, checkpoints, exports or loads them.
 EMBED_KEY, NORM_KEY, LM_HEAD_KEY = "embed_tokens.weight", "norm.weight", "lm_head.weight"

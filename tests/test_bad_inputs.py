@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 from conftest import TINY_CONVERSATIONS, run_prep
+from synthetic_prep import write_synthetic_prep
 
 from data_prep import pipeline
 from data_prep.config import PrepConfig
 from data_prep.conversations import load_conversations
 from data_prep.shards import PREP_SUMMARY, ShardError, finished_prep
 from train.data import held_out_split
-from train.synthetic import write_synthetic_prep
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}

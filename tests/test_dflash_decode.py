@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import rank_goodness_of_fit, tiny_dflash_drafter, tiny_llama
 
 from eval.dflash_drafting import DFlashDrafting
 from eval.sampling import SamplingParams
 from eval.spec_decode import SpecSettings, SpeculativeDecoder, plain_generate
 from eval.target import TargetRunner
-from eval.testing import rank_goodness_of_fit, tiny_dflash_drafter, tiny_llama
 
 torch.set_num_threads(1)
 
@@ -130,7 +130,7 @@ def test_tree_mode_is_refused(pair) -> None:
 
 def test_sampling_is_lossless() -> None:
     """Drafts drawn from q at the target temperature, min(1, p/q) acceptance: the outputs pass the same
-    rank goodness-of-fit test as plain sampling (eval/testing.py; test_eval_sampling_e2e.py shows that
+    rank goodness-of-fit test as plain sampling (tests/tiny_models.py; test_eval_sampling_e2e.py shows that
     lossy rules fail it with this many sequences)."""
     target = tiny_llama(vocab=8, hidden=16, intermediate=32, seed=1, init_std=0.4)
     drafter = tiny_dflash_drafter(target, tap_layers=[0, 1, 2], block_size=4, num_layers=1, mask_token_id=7)

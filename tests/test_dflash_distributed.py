@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from train.synthetic import write_synthetic_prep
+from synthetic_prep import write_synthetic_prep
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = [

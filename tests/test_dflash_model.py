@@ -166,12 +166,12 @@ def test_export_config_is_the_public_format(tmp_path) -> None:
 
 
 def test_registry_finds_dflash(tmp_path) -> None:
-    from models.registry import family, family_of_export
+    from models.registry import family_of_export
 
     d = tiny_drafter()
     cfg = json.loads((save_export(d, tmp_path) / "config.json").read_text())
     fam = family_of_export(cfg)
-    assert fam.method == "dflash" and fam is family("dflash")
+    assert fam.method == "dflash" and (fam.drafter_cls, fam.config_cls) == (DFlashDrafter, DFlashConfig)
     import dataclasses
 
     params = {k: p.detach() for k, p in d.named_parameters() if p.requires_grad}

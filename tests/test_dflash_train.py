@@ -212,11 +212,11 @@ def test_config_composes_and_validates() -> None:
 
 def test_build_drafter_takes_its_taps_from_the_shards(tmp_path) -> None:
     from hydra import compose, initialize_config_dir
+    from synthetic_prep import TAP_LAYERS, write_synthetic_prep
 
     from models.dflash import default_target_layer_ids
     from train.build import load_head
     from train.config import RunConfig, register_configs
-    from train.synthetic import TAP_LAYERS, write_synthetic_prep
 
     prep = write_synthetic_prep(tmp_path / "prep", n_train=4, n_eval=2)  # an EAGLE-3 prep: taps [1, 3, 4] of 8
     from safetensors.torch import load_file, save_file
@@ -252,13 +252,13 @@ def test_build_drafter_takes_its_taps_from_the_shards(tmp_path) -> None:
 
 def test_offline_report_covers_dflash_with_every_familys_fields(tmp_path) -> None:
     from hydra import compose, initialize_config_dir
+    from synthetic_prep import TAP_LAYERS, write_synthetic_prep
 
     from data_prep.shards import ShardSet
     from train.batch import collate
     from train.build import load_head
     from train.config import RunConfig, register_configs
     from train.offline import offline_report
-    from train.synthetic import TAP_LAYERS, write_synthetic_prep
 
     prep = write_synthetic_prep(tmp_path / "prep", n_train=2, n_eval=3)
     register_configs()

@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import run_train
+from tiny_models import tiny_llama
 
 from eval.sampling import SamplingParams
 from eval.spec_decode import SpecSettings, SpeculativeDecoder, plain_generate
 from eval.target import TargetRunner
-from eval.testing import tiny_llama
 from models.eagle1 import Eagle1Config, Eagle1Drafter, export_keys, load_export, save_export
 from models.target_head import TargetHead
 from train.batch import Batch
@@ -160,8 +160,9 @@ def test_eagle3_reads_its_taps_out_of_a_wider_prep() -> None:
     columns, and the loss equals the loss on a prep with exactly those taps."""
     import dataclasses
 
-    from eval.testing import tiny_drafter
-    from train.ttt import Eagle3Objective
+    from tiny_models import tiny_drafter
+
+    from train.eagle3 import Eagle3Objective
 
     target = tiny_llama(vocab=32, seed=0, dtype=torch.float64)
     drafter = tiny_drafter(target, aux_layer_ids=[0, 2, 1]).requires_grad_(True)

@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def agreeing_pair():
-    from eval.testing import permutation_pair
+    from tiny_models import permutation_pair
 
     target, drafter, _ = permutation_pair(vocab=16, hidden=32, noise=0.3, seed=1)
     return TargetRunner(target, drafter.cfg.aux_layer_ids), drafter

@@ -62,10 +62,10 @@ def test_config_rejects_unknown_keys_and_missing_drafter() -> None:
 
 @pytest.fixture(scope="module")
 def exported_drafter(tmp_path_factory, tiny_target_dir: Path) -> Path:
+    from tiny_models import tiny_drafter
     from transformers import AutoModelForCausalLM
 
-    from eval.testing import tiny_drafter
-    from models.export import save_export
+    from models.eagle3 import save_export
 
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)

@@ -15,7 +15,7 @@ PREFIX = [4, 17, 9, 30, 2, 11]
 
 @pytest.fixture(scope="module")
 def setup():
-    from eval.testing import tiny_pair
+    from tiny_models import tiny_pair
 
     target, drafter = tiny_pair(vocab=32, seed=3, draft_vocab=24)
     runner = TargetRunner(target, drafter.cfg.aux_layer_ids)

@@ -26,7 +26,7 @@ PROMPTS = [[1], [5, 9, 2, 7], [3, 3, 3, 3, 3, 3, 11, 4, 20, 1]]
 
 @pytest.fixture(scope="module")
 def random_pair():
-    from eval.testing import tiny_pair
+    from tiny_models import tiny_pair
 
     target, drafter = tiny_pair(vocab=32, seed=0, draft_vocab=20)  # reduced draft vocab exercises d2t
     return TargetRunner(target, drafter.cfg.aux_layer_ids), drafter
@@ -34,7 +34,7 @@ def random_pair():
 
 @pytest.fixture(scope="module")
 def agreeing_pairs():
-    from eval.testing import permutation_pair
+    from tiny_models import permutation_pair
 
     pairs = []
     for noise, seed in [(0.2, 0), (0.3, 1), (0.4, 2)]:
@@ -142,9 +142,8 @@ def test_eos_inside_an_accepted_path(agreeing_pairs) -> None:
 @pytest.fixture(scope="module")
 def sliding_pair():
     """A hybrid target (Qwen2, layers 1-2 with a 4-token sliding window) and a random drafter."""
+    from tiny_models import tiny_drafter
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from eval.testing import tiny_drafter
 
     cfg = Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 from test_eval_sampling_e2e import ALPHA, MODES, PARAMS, PROMPT, generate_many, make_pair
+from tiny_models import rank_goodness_of_fit
 
 from eval import sampling
-from eval.testing import rank_goodness_of_fit
 
 torch.set_num_threads(1)
 

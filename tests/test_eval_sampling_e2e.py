@@ -1,7 +1,7 @@
 """Speculative SAMPLING end to end: generated sequences are distributed like the target's own samples.
 
 Plain sampling draws each token x_t from p_t = the target's warped distribution at its prefix. The
-test (eval.testing.rank_goodness_of_fit) recomputes every p_t with one full forward per sequence and
+test (tiny_models.rank_goodness_of_fit) recomputes every p_t with one full forward per sequence and
 checks the ranks of the generated tokens under p_t against their exact expected counts, pooled over
 all positions of all sequences: every token of long multi-step generations is used, so a lossy step
 anywhere - acceptance ratio, residual, logits from the wrong tree node, a KV cache holding the wrong
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import rank_goodness_of_fit
 
 from eval.sampling import SamplingParams
 from eval.spec_decode import SpecSettings, SpeculativeDecoder, plain_generate
 from eval.target import TargetRunner
-from eval.testing import rank_goodness_of_fit
 
 torch.set_num_threads(1)
 
@@ -36,7 +36,7 @@ MODES = {
 
 
 def make_pair():
-    from eval.testing import permutation_pair
+    from tiny_models import permutation_pair
 
     target, drafter, _ = permutation_pair(vocab=VOCAB, hidden=16, noise=0.3, sharpness=1.0, seed=1)
     return TargetRunner(target, drafter.cfg.aux_layer_ids), drafter

@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_ttt_stubs import random_batch, vocab
+from ttt_stubs import random_batch, vocab
 
-from models.eagle3 import Eagle3Config, Eagle3Drafter
-from models.export import export_keys, load_export, save_export
-from models.target_head import TargetHead
+from models.eagle3 import Eagle3Config, Eagle3Drafter, export_keys, load_export, save_export
+from models.target_head import EMBED_KEY, TargetHead
 from train.engine import lr_lambda
 from train.ttt import TTTSettings, shifted_ids, ttt_loss, unroll
 
@@ -108,7 +107,7 @@ def test_variant_export_declares_vllm_flags_and_round_trips(tmp_path: Path) -> N
     tensors = load_file(str(tmp_path / "model.safetensors"))
     assert sorted(tensors) == sorted(export_keys(d.cfg))
     assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(tensors)
-    back = load_export(tmp_path, embed_weight=d.embed_tokens.weight)
+    back = load_export(tmp_path, target_weights={EMBED_KEY: d.embed_tokens.weight})
     assert back.cfg == dataclasses.replace(d.cfg, torch_dtype="float32")
     batch = random_batch("hidden", [7], V, H, n_taps=3, seed=1)
     head = TargetHead(H, V, 1e-6)
@@ -136,7 +135,7 @@ def _env() -> dict[str, str]:
 def test_levers_train_checkpoint_and_export_under_zero3(tmp_path: Path) -> None:
     """A frozen target head (not in the optimizer) is still part of the checkpoint and the export, the
     variant flags reach the export, and a smaller draft vocabulary is cut from the prep's ranking."""
-    from train.synthetic import write_synthetic_prep
+    from synthetic_prep import write_synthetic_prep
 
     prep = write_synthetic_prep(tmp_path / "prep", n_train=8, n_eval=2, min_len=12, max_len=32)
     out = tmp_path / "run"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_ttt_drafter import H, V, loss_and_grads, tiny
-from test_ttt_stubs import random_batch
+from ttt_stubs import random_batch
 
 from train.ttt import TTTSettings
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_ttt_stubs import FakeSample
+from synthetic_prep import write_synthetic_prep
+from ttt_stubs import FakeSample
 
 from train.batch import collate
 from train.config import ConfigError, DataConfig, RunConfig
 from train.data import ShardBatches, window, windows
-from train.synthetic import write_synthetic_prep
 from train.ttt import target_rows
 
 

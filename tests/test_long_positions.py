@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from synthetic_prep import write_synthetic_prep
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from models.eagle3 import Eagle3Drafter
-from train.build import drafter_config
 from train.config import ModelConfig, RunConfig, register_configs
-from train.synthetic import write_synthetic_prep
+from train.eagle3 import eagle3_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG = 40960
@@ -47,7 +47,7 @@ def _prep(root: Path, rope: dict) -> Path:
 def test_drafter_rotates_as_the_target_at_40k(tmp_path: Path, rope: dict) -> None:
     prep = _prep(tmp_path, rope)
     target = json.loads((prep / "target_config.json").read_text())
-    cfg = drafter_config(ModelConfig(), prep, [1, 3, 4], LONG)
+    cfg = eagle3_config(ModelConfig(), prep, [1, 3, 4], LONG)
     assert cfg.max_position_embeddings == max(LONG, rope["max_position_embeddings"])
     given = {k: v for k, v in rope["rope_scaling"].items() if v is not None}
     assert cfg.rope_theta == rope["rope_theta"] and given.items() <= cfg.rope_scaling.items()

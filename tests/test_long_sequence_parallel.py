@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from test_ttt_drafter import tiny
-from test_ttt_stubs import StubDrafter, StubHead, random_batch, vocab
+from ttt_stubs import StubDrafter, StubHead, random_batch, vocab
 
 from train.config import ConfigError, RunConfig
 from train.sequence_parallel import SeqSlice, apply_ulysses, owned_tokens, split_batch

@@ -7,9 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
+from synthetic_prep import write_synthetic_prep
 from test_train_distributed import records, torchrun, train_in_one_process, weights
-
-from train.synthetic import write_synthetic_prep
 
 
 def test_sequence_parallel_run_matches_one_process(tmp_path: Path) -> None:

@@ -12,8 +12,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from models.attention import DecodeCache, TTTCache
-from models.config import Eagle3Config, default_aux_layer_ids
-from models.eagle3 import Eagle3Drafter, RMSNorm
+from models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
+from models.layers import RMSNorm
 from models.rope import rope_inv_freq
 
 torch.set_num_threads(1)

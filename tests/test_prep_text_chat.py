@@ -8,13 +8,10 @@ nothing of the system/user turns or role headers.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_prep_text_fixtures import (  # noqa: E402
+from text_fixtures import (
     CONTROL_TOKENS,
     TEMPLATE_NAMES,
     masked_runs,
@@ -23,7 +20,7 @@ from test_prep_text_fixtures import (  # noqa: E402
     tiny_tokenizer,
 )
 
-from data_prep.chat import (  # noqa: E402
+from data_prep.chat import (
     Dropped,
     RenderedSample,
     end_of_turn,
@@ -31,7 +28,7 @@ from data_prep.chat import (  # noqa: E402
     render_prompt,
     template_hash,
 )
-from data_prep.conversations import Message  # noqa: E402
+from data_prep.conversations import Message
 
 CONV = [
     Message("system", "You are a helpful assistant."),

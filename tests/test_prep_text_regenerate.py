@@ -4,19 +4,16 @@ status accounting, resume, torn-line recovery."""
 from __future__ import annotations
 
 import json
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
+from text_fixtures import template, tiny_tokenizer
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_prep_text_fixtures import template, tiny_tokenizer  # noqa: E402
-
-from data_prep.conversations import Conversation, Message  # noqa: E402
-from data_prep.regenerate import (  # noqa: E402
+from data_prep.conversations import Conversation, Message
+from data_prep.regenerate import (
     HFBackend,
     OpenAIBackend,
     load_regenerated,

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
+from text_fixtures import tiny_tokenizer
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_prep_text_fixtures import tiny_tokenizer  # noqa: E402
-
-from data_prep.chat import render_conversation  # noqa: E402
-from data_prep.conversations import Message  # noqa: E402
-from data_prep.viewer import OFF, ON, format_sample, main  # noqa: E402
+from data_prep.chat import render_conversation
+from data_prep.conversations import Message
+from data_prep.viewer import OFF, ON, format_sample, main
 
 CONV = [
     Message("user", "Hello there!"),

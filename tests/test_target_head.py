@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
-from models.eagle3 import RMSNorm
+from models.layers import RMSNorm
 from models.target_head import FORMAT, HeadSpec, TargetHead, scaled_embedding_weight
 
 GEOMETRY = {"vocab_size": 97, "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 2,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from synthetic_prep import TAP_LAYERS, write_synthetic_prep
 from transformers import Gemma3TextConfig, LlamaConfig
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -18,7 +19,6 @@ from models.config import FULL_ATTENTION, rope_from_hf
 from train.build import load_head
 from train.config import RunConfig
 from train.objective import make_objective
-from train.synthetic import TAP_LAYERS, write_synthetic_prep
 
 LONG = 40960
 POSITIONS = torch.tensor([[0, 1, 4095, 8191, 8192, 20000, 32767, 40000, LONG - 1]])

@@ -60,10 +60,14 @@ def test_presets_are_deltas() -> None:
     assert debug.deepspeed == base.deepspeed  # debug changes only what it lists
 
 
-@pytest.mark.parametrize("group", ["deepspeed=zero2", "deepspeed=zero0", "logger=jsonl"])
-def test_group_options_compose(group: str) -> None:
+@pytest.mark.parametrize("group, key, value", [("deepspeed=zero2", "deepspeed.zero_stage", 2),
+                                               ("deepspeed=zero0", "deepspeed.zero_stage", 0),
+                                               ("logger=jsonl", "logger.wandb_mode", "disabled")])
+def test_group_options_compose(group: str, key: str, value) -> None:
     cfg = _compose([group])
-    assert cfg.validate(world_size=1)
+    assert cfg.validate(world_size=1) is cfg  # validate raises on a bad config and returns it for chaining
+    section, field = key.split(".")
+    assert getattr(getattr(cfg, section), field) == value  # the group was applied
 
 
 def test_misspelt_key_fails_with_its_name() -> None:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from synthetic_prep import write_synthetic_prep
 
 from train.config import DataConfig
 from train.data import ShardBatches, global_batches, pad_to
-from train.synthetic import write_synthetic_prep
 
 
 @pytest.fixture(scope="module")

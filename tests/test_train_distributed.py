@@ -25,8 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from train.synthetic import write_synthetic_prep
+from synthetic_prep import write_synthetic_prep
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = [

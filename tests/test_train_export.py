@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from synthetic_prep import write_synthetic_prep
 
-from models.export import export_keys, load_export
-from train.synthetic import write_synthetic_prep
+from models.eagle3 import export_keys, load_export
+from models.target_head import EMBED_KEY
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,7 +61,7 @@ def test_export_from_checkpoint_matches_checkpoint_and_reloads(run_dir, tmp_path
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in tap_layers]
 
     embed = load_file(str(prep / "target_head.safetensors"))["embed_tokens.weight"]
-    drafter = load_export(out, embed_weight=embed)
+    drafter = load_export(out, target_weights={EMBED_KEY: embed})
     d2t = load_file(str(prep / "draft_vocab.safetensors"))["d2t"]
     assert torch.equal(drafter.d2t, d2t)
     taps = torch.randn(1, 5, drafter.cfg.fc_in_features)

@@ -10,8 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from synthetic_prep import write_synthetic_prep
+
 from train.sweep import markdown
-from train.synthetic import write_synthetic_prep
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from synthetic_prep import write_synthetic_prep
 from test_train_distributed import records, train_in_one_process, weights
 from test_ttt_drafter import H as H_TINY
 from test_ttt_drafter import V as V_TINY
 from test_ttt_drafter import tiny, trainable
-from test_ttt_stubs import random_batch
+from ttt_stubs import random_batch
 
-from train.synthetic import write_synthetic_prep
 from train.teacher_cache import TeacherCache
 from train.ttt import TTTSettings, count_valid, ttt_loss
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_ttt_stubs import random_batch, vocab
+from ttt_stubs import random_batch, vocab
 
 from models.eagle3 import Eagle3Config, Eagle3Drafter
 from models.target_head import TargetHead

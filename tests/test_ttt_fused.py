@@ -9,9 +9,9 @@ from test_ttt_drafter import V as V_TINY
 from test_ttt_drafter import tiny, trainable
 from test_ttt_loss import K, N
 from test_ttt_loss import setup as loss_setup
-from test_ttt_stubs import random_batch
+from ttt_stubs import random_batch
 
-from models.eagle3 import RMSNorm
+from models.layers import RMSNorm
 from train.loss import NO_ACCEPT, AcceptTerm, TeacherRows, chunked_terms, fused_terms
 from train.ttt import TTTSettings, count_valid, ttt_loss
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_ttt_stubs import StubHead, vocab
 from torch import nn
+from ttt_stubs import StubHead, vocab
 
 from train.loss import TeacherRows, VocabMaps, chunked_terms
 

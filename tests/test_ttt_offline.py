@@ -6,13 +6,14 @@ import json
 
 import pytest
 import torch
-from test_ttt_stubs import OracleDrafter, StubHead, vocab
+from ttt_stubs import OracleDrafter, StubHead, vocab
 
 import train.ttt as ttt
 from data_prep.shards import Sample, ShardSet, ShardSpec, ShardWriter, merge_manifests
+from train.eagle3 import Eagle3Objective
 from train.loss import VocabMaps
 from train.offline import offline_report
-from train.ttt import Eagle3Objective, TTTSettings
+from train.ttt import TTTSettings
 
 V, VD, K = 32, 16, 3
 

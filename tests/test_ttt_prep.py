@@ -11,9 +11,10 @@ from data_prep.shards import ShardSet
 from models.eagle3 import Eagle3Config, Eagle3Drafter
 from models.target_head import TargetHead
 from train.batch import collate
+from train.eagle3 import Eagle3Objective
 from train.loss import VocabMaps
 from train.offline import offline_report
-from train.ttt import Eagle3Objective, TTTSettings, count_valid, ttt_loss
+from train.ttt import TTTSettings, count_valid, ttt_loss
 
 
 def load(prep):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_ttt_stubs import FakeSample, OracleDrafter, StubDrafter, StubHead, random_batch, vocab
 from torch import nn
+from ttt_stubs import FakeSample, OracleDrafter, StubDrafter, StubHead, random_batch, vocab
 
 import train.ttt as ttt
 from train.batch import collate

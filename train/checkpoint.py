@@ -31,6 +31,8 @@ from torch import Tensor
 from data_prep.shards import writing
 
 LATEST = "latest"
+CHECKPOINT_WEIGHTS = "model.safetensors"  # params/ and buffers/ of the drafter, by name
+DRAFTER_CONFIG = "drafter_config.json"  # the drafter's config, so an export needs nothing else
 
 
 @dataclass
@@ -94,7 +96,7 @@ def save(
     with writing(tmp):  # a full disk's error names no file
         model = {f"param/{k}": v.contiguous() for k, v in engine_state["params"].items()}
         model.update({f"buffer/{k}": v.contiguous() for k, v in buffers.items()})
-        save_file(model, str(tmp / "model.safetensors"))
+        save_file(model, str(tmp / CHECKPOINT_WEIGHTS))
         moments = {
             f"{key}/{k}": v.contiguous()
             for key in ("exp_avg", "exp_avg_sq")
@@ -108,7 +110,7 @@ def save(
             **meta,
         }
         (tmp / "state.json").write_text(json.dumps(state, indent=1, default=_json_default))
-        (tmp / "drafter_config.json").write_text(json.dumps(drafter_config, indent=1))
+        (tmp / DRAFTER_CONFIG).write_text(json.dumps(drafter_config, indent=1))
         torch.save(rng_state(), tmp / "rng.pt")
     if final.exists():  # a rerun of the same step (e.g. resumed and re-saved): replace it
         shutil.rmtree(final)
@@ -143,7 +145,7 @@ def resolve(path: Path) -> Path:
 
 def load(path: Path) -> Checkpoint:
     path = resolve(path)
-    model = load_file(str(path / "model.safetensors"))
+    model = load_file(str(path / CHECKPOINT_WEIGHTS))
     moments_flat = load_file(str(path / "optimizer.safetensors"))
     moments: dict[str, dict[str, Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
     for k, v in moments_flat.items():
@@ -156,7 +158,7 @@ def load(path: Path) -> Checkpoint:
         moments=moments,
         state=json.loads((path / "state.json").read_text()),
         rng=torch.load(path / "rng.pt", weights_only=True),
-        drafter_config=json.loads((path / "drafter_config.json").read_text()),
+        drafter_config=json.loads((path / DRAFTER_CONFIG).read_text()),
     )
 
 

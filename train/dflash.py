@@ -229,8 +229,8 @@ def default_mask_token_id(tokenizer, vocab_size: int) -> int:
 
 def prep_tap_layers(num_target_layers: int, num_layers: int = DEFAULT_NUM_LAYERS) -> list[int]:
     """The union of EAGLE-3's and DFlash's default taps: one prep that serves both drafters."""
-    from models.config import default_aux_layer_ids
     from models.dflash import default_target_layer_ids
+    from models.eagle3 import default_aux_layer_ids
 
     return sorted(set(default_aux_layer_ids(num_target_layers)) | set(default_target_layer_ids(num_target_layers,
                                                                                                 num_layers)))
@@ -264,13 +264,12 @@ class DFlashObjective:
         self.n_source_taps = len(source_taps)
 
     def build_drafter(self, prep_dir: Path, tap_layers: list[int], head: nn.Module) -> nn.Module:
-        from models.config import for_trained_length, target_geometry
+        from models.config import target_geometry
         from models.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
-        from train.build import GEOMETRY_OVERRIDES, target_config
+        from train.build import drafter_config, target_config
 
         m = self.cfg.model
-        target = target_config(prep_dir)
-        geo = target_geometry(target)
+        geo = target_geometry(target_config(prep_dir))
         layers = m.num_layers or DEFAULT_NUM_LAYERS
         if m.tap_layers is not None:
             taps = list(m.tap_layers)
@@ -284,11 +283,8 @@ class DFlashObjective:
                 taps = list(tap_layers)
         self.use_taps(taps, tap_layers)
         mask = m.mask_token_id if m.mask_token_id is not None else _prep_mask_token_id(Path(prep_dir), geo["vocab_size"])
-        overrides = {k: getattr(m, k) for k in GEOMETRY_OVERRIDES if getattr(m, k) is not None}
-        dcfg = DFlashConfig.from_target_config(target, mask_token_id=mask, target_layer_ids=taps,
-                                               num_hidden_layers=layers, block_size=self.settings.block_size,
-                                               **overrides)
-        dcfg = for_trained_length(dcfg, self.cfg.data.max_len, m.max_position_embeddings)
+        dcfg = drafter_config(DFlashConfig, m, prep_dir, self.cfg.data.max_len, mask_token_id=mask,
+                              target_layer_ids=taps, num_hidden_layers=layers, block_size=self.settings.block_size)
         drafter = DFlashDrafter(dcfg)
         drafter.load_target_weights(head.embed_tokens_weight, head.lm_head.weight)
         if m.norm_init == "target":

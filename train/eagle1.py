@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from train.batch import Batch
-from train.ttt import TTTSettings, _terms, count_valid, eval_sums, summarize
+from train.ttt import TTTSettings, count_valid, eval_sums, summarize, unroll_terms
 
 TOKEN_WEIGHT = 0.1  # w of docs/method.md §2
 
@@ -49,16 +49,12 @@ class Eagle1Objective:
         return cls(TTTSettings.from_train(cfg.train), TTTSettings.from_train(cfg.train, held_out=True), cfg)
 
     def build_drafter(self, prep_dir: Path, tap_layers: list[int], head: nn.Module) -> nn.Module:
-        from models.config import for_trained_length
         from models.eagle1 import Eagle1Config, Eagle1Drafter
-        from train.build import GEOMETRY_OVERRIDES, target_config
+        from train.build import drafter_config
 
-        m, max_len = self.cfg.model, self.cfg.data.max_len
-        target = target_config(prep_dir)
-        overrides = {k: getattr(m, k) for k in GEOMETRY_OVERRIDES if getattr(m, k) is not None}
-        dcfg = for_trained_length(Eagle1Config.from_target_config(target, **overrides), max_len,
-                                  m.max_position_embeddings)
-        drafter = Eagle1Drafter(dcfg, attn_backend=m.attn_backend)
+        m = self.cfg.model
+        drafter = Eagle1Drafter(drafter_config(Eagle1Config, m, prep_dir, self.cfg.data.max_len),
+                                attn_backend=m.attn_backend)
         drafter.load_target_weights(head.embed_tokens_weight, head.lm_head.weight)
         return drafter
 
@@ -71,7 +67,7 @@ class Eagle1Objective:
     def loss(self, module: nn.Module, head: nn.Module, batch: Batch, normalizer: Tensor, state=None):
         s = self.settings
         features = top_feature(head, batch)
-        t = _terms(module, head, batch, s, hidden=features.to(module.fc.weight.dtype))
+        t = unroll_terms(module, head, batch, s, hidden=features.to(module.fc.weight.dtype))
         dtype = torch.promote_types(t["rows"][0].dtype, torch.float32)  # bf16 runs sum in fp32
         target = features[t["b_idx"], t["j_idx"]].to(dtype)  # f_j per row [N, H]
         valid = t["valid"]

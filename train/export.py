@@ -1,7 +1,7 @@
 """Checkpoint -> serving export (config.json + model.safetensors), on CPU, offline.
 
 Used at the end of a run (rank 0, from the consolidated fp32 parameters) and by launch/export.py for
-any saved checkpoint. The layout itself is models.export.save_export's.
+any saved checkpoint. The layout itself is the family's save_export (models/eagle3.py, eagle1.py, dflash.py).
 """
 
 from __future__ import annotations

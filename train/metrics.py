@@ -23,6 +23,9 @@ from train.config import LoggerConfig
 
 log = logging.getLogger("train")
 
+METRICS_FILE = "metrics.jsonl"  # a run's records, one JSON object a line
+RUN_SUMMARY = "summary.json"  # a run's last record, written when it finishes
+
 
 def memory_stats() -> dict[str, float]:
     """Current and peak host RSS (MB) and, on CUDA, peak allocated device memory (MB)."""
@@ -70,7 +73,7 @@ class MetricsLogger:
         """`start_step` > 0 (a resume) drops records after that step left by the interrupted run, so the
         file reads as one uninterrupted run."""
         self.enabled = rank == 0
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS_FILE
         self._wandb = None
         self._bar = None
         if not self.enabled:

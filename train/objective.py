@@ -8,8 +8,8 @@ normaliser), then `loss` (differentiable scalar + additive metric sums), and for
 plus the denominator "n_valid_k"; the loop reports "<name>_k" = sum / n_valid_k. So a new drafter
 (docs/method.md §2, §4, §5) is a new model file + a new objective, never a new train loop.
 
-Which objective a method uses is the family table's (models/registry.py); "eagle3" is train/ttt.py's TTT
-unroll, "eagle1" train/eagle1.py, "dflash" train/dflash.py.
+Which objective a method uses is the family table's (models/registry.py): "eagle3" train/eagle3.py and
+"eagle1" train/eagle1.py (both on the TTT unroll of train/ttt.py), "dflash" train/dflash.py.
 """
 
 from __future__ import annotations

@@ -18,14 +18,16 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
+from train.metrics import METRICS_FILE, RUN_SUMMARY
+
 
 def collect(sweep_dir: Path) -> list[dict]:
     rows = []
     for job in sorted(sweep_dir.glob("job*"), key=lambda p: int(p.name[3:]) if p.name[3:].isdigit() else 1 << 30):
-        path = job / "summary.json"
+        path = job / RUN_SUMMARY
         if not path.exists():  # its learning curve so far still shows
             rows.append({"job": job.name, "status": "no summary (failed, stopped or running)",
-                         "overrides": _overrides(job), "curve": _curve(job / "metrics.jsonl")})
+                         "overrides": _overrides(job), "curve": _curve(job / METRICS_FILE)})
             continue
         s = json.loads(path.read_text())
         ev = s.get("eval") or {}
@@ -42,7 +44,7 @@ def collect(sweep_dir: Path) -> list[dict]:
             "oov_rate": ev.get("oov_rate"),
             "wall_s": s.get("wall_s"),
             "overrides": _overrides(job),
-            "curve": _curve(job / "metrics.jsonl"),
+            "curve": _curve(job / METRICS_FILE),
         })
     return rows
 

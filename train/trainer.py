@@ -29,7 +29,7 @@ from train.build import load_head
 from train.config import RunConfig
 from train.data import Cursor, ShardBatches, held_out_split
 from train.engine import Engine, init_distributed
-from train.metrics import MetricsLogger, memory_stats
+from train.metrics import RUN_SUMMARY, MetricsLogger, memory_stats
 from train.objective import Objective, make_objective
 from train.sequence_parallel import SequenceParallel, owned_tokens
 
@@ -271,7 +271,7 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
     }
     if rank == 0:
         logger.log("summary", step, summary)
-        (run_dir / "summary.json").write_text(_json(summary))
+        (run_dir / RUN_SUMMARY).write_text(_json(summary))
         log.info("done: %d/%d steps in %.1f s; held-out sim_tau %s", step, steps_total, summary["wall_s"],
                  None if eval_metrics is None else round(eval_metrics["sim_tau"], 3))
     logger.close()

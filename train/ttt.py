@@ -1,4 +1,5 @@
-"""Training-time test (TTT) for EAGLE-3 drafters: the K-step unroll, its loss and its evaluation.
+"""Training-time test (TTT): the K-step unroll, its loss and its evaluation, shared by EAGLE-3
+(train/eagle3.py) and EAGLE-1 (train/eagle1.py).
 
 Alignment (docs/method.md §4.3), for a sequence x_0..x_{T-1} with fused target features g_t:
 - step 0: position t takes (g_t, e(x_{t+1})) and predicts p_{t+1};
@@ -181,7 +182,7 @@ def output_head(drafter: nn.Module) -> tuple[nn.Module, Tensor] | None:
     return drafter.norm, lm_head.weight
 
 
-def _terms(
+def unroll_terms(
     drafter: nn.Module, head: nn.Module, batch: Batch, settings: TTTSettings, scale: Tensor | None = None,
     teacher_targets: list | None = None, hidden: Tensor | None = None,
 ) -> dict[str, Tensor | None]:
@@ -240,7 +241,7 @@ def ttt_loss(
         # counts, anyone else pays this extra teacher-argmax pass.
         normalizer = count_valid(head, batch, settings, VocabMaps.from_drafter(drafter))
     scale = None if normalizer is None else weights / normalizer.to(device).clamp_min(1).to(weights.dtype)
-    t = _terms(drafter, head, batch, settings, scale, teacher_targets if fused else None)
+    t = unroll_terms(drafter, head, batch, settings, scale, teacher_targets if fused else None)
     ce = t["ce"]
     n_valid = t["valid"].sum(-1)
     loss = t["loss"]
@@ -357,7 +358,7 @@ def eval_sums(
     try:
         for batch in batches:
             batch = batch.to(device)
-            t = _terms(drafter, head, batch, settings, hidden=None if step0 is None else step0(batch))
+            t = unroll_terms(drafter, head, batch, settings, hidden=None if step0 is None else step0(batch))
             start, owned = owned_span(batch)
             reachable = t["reachable"]
             num, den = _chain_counts(reachable, t["correct"], t["b_idx"], t["j_idx"], (len(batch), owned))
@@ -417,61 +418,3 @@ def summarize(sums: dict) -> dict:
 def evaluate(drafter: nn.Module, head: nn.Module, batches: Iterable[Batch], settings: TTTSettings) -> dict:
     """Teacher-forced TTT evaluation (no grad): acc_k, alpha_k, sim_tau, loss_k, min_pq_k, counts."""
     return summarize(eval_sums(drafter, head, batches, settings))
-
-
-class Eagle3Objective:
-    """EAGLE-3 with training-time test (train.ttt_steps = K, train.loss_decay = λ); see train/objective.py.
-    Held-out metrics unroll train.eval_ttt_steps (default K) steps, so a K=1 drafter's decay is visible.
-    The drafter reads model.tap_layers out of the shards' taps; default: EAGLE-3's [1, L/2-1, L-4] when the
-    shards carry them (a prep for several drafters carries more), else every tap of the shards."""
-
-    method = "eagle3"
-    keep_gathered = ("norm", "lm_head")  # the fused head calls them once per loss chunk
-
-    def __init__(self, settings: TTTSettings, eval_settings: TTTSettings | None = None, cfg=None) -> None:
-        self.settings, self.eval_settings, self.cfg = settings, eval_settings or settings, cfg
-        self.positions = settings.steps
-        self.columns: list[int] | None = None  # the drafter's taps among the shards' (build_drafter)
-        self.n_source_taps = 0
-        mb = settings.teacher_epoch_cache_mb
-        self.teacher_cache = TeacherCache(mb) if mb > 0 else None
-
-    @classmethod
-    def from_config(cls, cfg) -> Eagle3Objective:
-        return cls(TTTSettings.from_train(cfg.train), TTTSettings.from_train(cfg.train, held_out=True), cfg)
-
-    def build_drafter(self, prep_dir, tap_layers: list[int], head: nn.Module) -> nn.Module:
-        from models.config import default_aux_layer_ids, target_geometry
-        from train.batch import tap_columns
-        from train.build import build_drafter, target_config
-
-        try:
-            default = default_aux_layer_ids(target_geometry(target_config(prep_dir))["num_target_layers"])
-        except ValueError:  # a target too shallow for EAGLE-3's default taps: the drafter reads the shards'
-            default = []
-        wanted = list(self.cfg.model.tap_layers or (default if default and set(default) <= set(tap_layers)
-                                                    else tap_layers))
-        self.columns, self.n_source_taps = tap_columns(tap_layers, wanted), len(tap_layers)
-        return build_drafter(self.cfg.model, prep_dir, wanted, self.cfg.data.max_len, head)
-
-    def start_batch(self, epoch: int, index: int) -> None:
-        pass  # deterministic: nothing drawn per batch
-
-    def _taps(self, batch: Batch) -> Batch:
-        return batch.select_taps(self.columns, self.n_source_taps)
-
-    def count(self, module: nn.Module, head: nn.Module, batch: Batch):
-        return count_valid(head, batch, self.settings, vocab=module, return_targets=True, cache=self.teacher_cache)
-
-    def loss(self, module: nn.Module, head: nn.Module, batch: Batch, normalizer: Tensor, state):
-        batch = self._taps(batch)
-        if self.cfg is not None and self.cfg.train.feature_noise > 0:
-            batch = batch.with_feature_noise(self.cfg.train.feature_noise, module.cfg.n_taps)
-        loss, m = ttt_loss(module, head, batch, self.settings, normalizer=normalizer, teacher_targets=state)
-        return loss, {k: m[k] for k in SUM_KEYS}
-
-    def eval_sums(self, module: nn.Module, head: nn.Module, batches: Iterable[Batch]) -> dict:
-        return eval_sums(module, head, (self._taps(b) for b in batches), self.eval_settings)
-
-    def summarize(self, sums: dict) -> dict:
-        return summarize(sums)

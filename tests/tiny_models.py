@@ -46,8 +46,7 @@ def tiny_drafter(
 ):
     """A random Eagle3Drafter for `target` (embedding copied from it). draft_token_ids: the target ids
     of the reduced draft vocabulary (sorted); None = the full vocabulary."""
-    from models.config import Eagle3Config
-    from models.eagle3 import Eagle3Drafter
+    from models.eagle3 import Eagle3Config, Eagle3Drafter
 
     hf = target.config.to_dict()
     vocab = int(hf["vocab_size"])
@@ -152,7 +151,7 @@ def permutation_pair(
     updates["midlayer.mlp.down_proj.weight"] = ((u[perm] - u).T / act).to(dtype)  # column x: u_π(x) - u_x
     missing = set(updates) - set(sd)
     if missing:
-        raise KeyError(f"drafter state dict lacks {sorted(missing)}: update eval/testing.py to its layout")
+        raise KeyError(f"drafter state dict lacks {sorted(missing)}: update tests/tiny_models.py to its layout")
     sd.update(updates)
     drafter.load_state_dict(sd)
     return target, drafter.eval(), perm

@@ -1,6 +1,6 @@
 """The closing summary of `make demo`: what each stage produced, the measured numbers, where things lie.
 
-    python -m eval.demo_summary <prep_dir> <run_dir>
+    python launch/demo_summary.py <prep_dir> <run_dir>
 """
 
 from __future__ import annotations
@@ -9,14 +9,17 @@ import json
 import sys
 from pathlib import Path
 
-from eval.run import format_summary
+from launch.paths import CONF_DIR  # noqa: F401  (first: takes launch/ off sys.path)
+from data_prep.shards import PREP_SUMMARY
+from eval.run import REPORT_FILE, format_summary
+from train.metrics import RUN_SUMMARY
 
 
 def main(prep_dir: str, run_dir: str) -> None:
     prep, run = Path(prep_dir), Path(run_dir)
-    prep_summary = json.loads((prep / "summary.json").read_text())
-    train_summary = json.loads((run / "summary.json").read_text())
-    report = json.loads((run / "eval" / "report.json").read_text())
+    prep_summary = json.loads((prep / PREP_SUMMARY).read_text())
+    train_summary = json.loads((run / RUN_SUMMARY).read_text())
+    report = json.loads((run / "eval" / REPORT_FILE).read_text())
     held_out = train_summary.get("eval") or {}
     print("\n================ demo summary ================")
     print(f"prep   {prep_summary['samples']['train']} train / {prep_summary['samples']['eval']} held-out samples, "

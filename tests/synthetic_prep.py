@@ -1,6 +1,6 @@
-"""A tiny, learnable synthetic prep dir in the real format, for tests, the bench and smoke runs.
+"""A tiny, learnable synthetic prep dir in the real format, for tests and smoke runs.
 
-    python -m train.synthetic <out_dir> [--train 64] [--eval 16] [--hidden 32] [--vocab 256]
+    python tests/synthetic_prep.py <out_dir> [--train 64] [--eval 16] [--hidden 32] [--vocab 256]
 
 Writes exactly what data_prep produces (train/ and eval/ shard sets through data_prep.shards'
 ShardWriter, draft_vocab.safetensors, target_head.safetensors, target_config.json, and last a minimal
