@@ -29,11 +29,11 @@ if str(ROOT) not in sys.path:
 
 
 def run_batch(base: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:
-    from eval.engine_check import _post
+    from eval.engine_check import http_post_json
 
     def one(ids: list[int]) -> tuple[int, float]:
         t0 = time.perf_counter()
-        out = _post(base + "/v1/completions", {"model": model, "prompt": ids, "max_tokens": max_tokens,
+        out = http_post_json(base + "/v1/completions", {"model": model, "prompt": ids, "max_tokens": max_tokens,
                                                "temperature": 0.0, "ignore_eos": True})
         return int(out["usage"]["completion_tokens"]), time.perf_counter() - t0
 
@@ -47,16 +47,16 @@ def run_batch(base: str, model: str, prompts: list[list[int]], max_tokens: int, 
 
 
 def serve_and_measure(args, model: str, prompts: list[list[int]], spec: dict | None, log: Path) -> list[dict]:
-    from eval.engine_check import _get, spec_counters, vllm_server
+    from eval.engine_check import http_get, spec_counters, vllm_server
 
     extra = ["--speculative-config", json.dumps(spec)] if spec else []
     rows = []
     with vllm_server(args.vllm_python, model, dtype=args.dtype, log_path=log, extra_args=extra) as base:
         run_batch(base, model, prompts[:2], 8, 2)  # warm-up, untimed
         for c in args.concurrency:
-            before = spec_counters(_get(base + "/metrics"))
+            before = spec_counters(http_get(base + "/metrics"))
             row = run_batch(base, model, prompts, args.max_new_tokens, c)
-            after = spec_counters(_get(base + "/metrics"))
+            after = spec_counters(http_get(base + "/metrics"))
             if spec:
                 drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
                 accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)

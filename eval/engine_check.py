@@ -32,12 +32,12 @@ from data_prep.targets import load_tokenizer, model_path, resolve_target
 from eval.prompts import load_prompts
 
 
-def _get(url: str, timeout: float = 5.0) -> str:
+def http_get(url: str, timeout: float = 5.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read().decode()
 
 
-def _post(url: str, body: dict, timeout: float = 600.0) -> dict:
+def http_post_json(url: str, body: dict, timeout: float = 600.0) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read().decode())
@@ -89,7 +89,7 @@ def vllm_server(
                 if server.poll() is not None:
                     raise VLLMServerError(f"vLLM exited with {server.returncode} before serving ({where})")
                 try:
-                    _get(base + "/health")
+                    http_get(base + "/health")
                     break
                 except OSError:
                     if time.time() > deadline:
@@ -151,11 +151,11 @@ def main() -> None:
     try:
         with vllm_server(args.vllm_python, model_path(preset), port=args.port, log_path=log,
                          extra_args=["--speculative-config", json.dumps(spec)]) as base:
-            before = spec_counters(_get(base + "/metrics"))
+            before = spec_counters(http_get(base + "/metrics"))
             for ids in prompts:
-                _post(base + "/v1/completions", {"model": model_path(preset), "prompt": ids,
+                http_post_json(base + "/v1/completions", {"model": model_path(preset), "prompt": ids,
                                                  "max_tokens": args.max_new_tokens, "temperature": 0.0})
-            after = spec_counters(_get(base + "/metrics"))
+            after = spec_counters(http_get(base + "/metrics"))
     except VLLMServerError as err:
         sys.exit(str(err))
     drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
