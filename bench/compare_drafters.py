@@ -52,7 +52,8 @@ SUITES: dict[str, dict] = {
         "variants": {
             "eagle3": [],
             "dflash": {"exp": "dflash", "overrides": []},
-            "dflash_b8": {"exp": "dflash", "overrides": ["model.block_size=8", "train.dflash_gamma=4"]},
+            "dflash_b8": {"exp": "dflash",
+                          "overrides": ["model.dflash.block_size=8", "train.dflash.gamma=4"]},
         },
         "equal_wall": "eagle3",
     },

@@ -34,8 +34,9 @@ from pathlib import Path
 
 import torch
 
+from data_prep.strict_json import json_safe
 from eval.config import DecodeConfig, EvalConfig
-from eval.run import json_safe, run_eval
+from eval.run import run_eval
 
 PLAIN, HF_PLAIN, PROMPT_LOOKUP = "plain", "hf_generate", "hf_prompt_lookup"
 

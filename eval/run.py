@@ -8,12 +8,12 @@ decoding / tokens/s of plain decoding, same target, prompts, max_new_tokens, mac
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from data_prep.strict_json import json_safe
 from eval import metrics
 from eval.budget import AdaptiveBudget, VerifyCost, choose_total_tokens
 from eval.config import EvalConfig
@@ -201,17 +201,6 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     report["samples"] = samples
     write_report(report, Path(cfg.out_dir), cfg.plots)
     return report
-
-
-def json_safe(x):
-    """`x` as strict JSON takes it: non-finite floats as null (NaN marks a step without targets), keys as str."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {str(k): json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_safe(v) for v in x]
-    return x
 
 
 def write_report(report: dict, out_dir: Path, plots: bool = True) -> Path:

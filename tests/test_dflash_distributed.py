@@ -16,8 +16,9 @@ from synthetic_prep import write_synthetic_prep
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = [
-    "+exp=debug", "model=dflash", "model.tap_layers=[1,3,4]", "model.mask_token_id=255", "model.num_layers=2",
-    "model.block_size=6", "train.dflash_anchors=5", "train.max_steps=3", "train.epochs=2", "train.chunk_size=8",
+    "+exp=debug", "model=dflash", "model.tap_layers=[1,3,4]", "model.dflash.mask_token_id=255",
+    "model.dflash.num_layers=2", "model.dflash.block_size=6", "train.dflash.anchors=5", "train.max_steps=3",
+    "train.epochs=2", "train.chunk_size=8",
     "data.batch_size=4", "data.eval_batch_size=2", "data.eval_max_samples=4", "train.eval_interval=3",
     "train.save_interval=0", "train.export=false", "train.warmup_steps=1", "train.checkpoint_layer=true",
     "deepspeed.zero_stage=3", "deepspeed.stage3_param_persistence_threshold=0",

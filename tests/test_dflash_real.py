@@ -15,9 +15,9 @@ from conftest import run_train
 
 def test_short_run_on_embedded_target_learns(smollm2_prep_dir: Path, smollm2_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    rows = run_train(out, "+exp=debug", "model=dflash", "model.tap_layers=[1,14,26]", "model.num_layers=2",
-                     "model.block_size=8", f"data.dir={smollm2_prep_dir}", "train.max_steps=12", "train.epochs=100",
-                     "train.lr=2e-3", "train.warmup_steps=2", "train.dflash_anchors=16", "train.dflash_gamma=4",
+    rows = run_train(out, "+exp=debug", "model=dflash", "model.tap_layers=[1,14,26]",
+                     "model.dflash.num_layers=2", "model.dflash.block_size=8", f"data.dir={smollm2_prep_dir}",
+                     "train.max_steps=12", "train.epochs=100", "train.lr=2e-3", "train.warmup_steps=2", "train.dflash.anchors=16", "train.dflash.gamma=4",
                      "train.eval_interval=12", "train.save_interval=0", "data.batch_size=2",
                      "data.eval_max_samples=2", "train.chunk_size=512")
     evals = [r for r in rows if r["kind"] == "eval"]

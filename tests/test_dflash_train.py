@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -201,12 +202,13 @@ def test_config_composes_and_validates() -> None:
                                                                                   "target")
         obj = __import__("train.objective", fromlist=["make_objective"]).make_objective(cfg)
         assert isinstance(obj, DFlashObjective) and obj.positions == 15 and obj.settings.anchors == 512
-        for bad in ("model.block_size=1", "model.mask_token_id=-1", "model.tap_layers=[3,3]", "train.dflash_gamma=0"):
-            with pytest.raises(ConfigError):
+        for bad in ("model.dflash.block_size=1", "model.dflash.mask_token_id=-1", "model.tap_layers=[3,3]",
+                    "train.dflash.gamma=0", "train.dflash.anchors=0", "model.dflash.num_layers=0"):
+            with pytest.raises(ConfigError, match=re.escape(bad.split("=")[0])):  # the message names the key
                 make("model=dflash", bad).validate(1)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            make("model.block_size=8").validate(1)  # EAGLE-3 run: a DFlash key is ignored, and says so
+            make("model.dflash.block_size=8").validate(1)  # EAGLE-3 run: a DFlash key is ignored, and says so
         assert any("not used by model.method=eagle3" in str(w.message) for w in caught)
 
 
@@ -230,7 +232,7 @@ def test_build_drafter_takes_its_taps_from_the_shards(tmp_path) -> None:
     with initialize_config_dir(conf, version_base="1.3"):
         def build(*overrides: str):
             cfg = RunConfig.from_omegaconf(compose("train", overrides=[f"data.dir={prep}", "out_dir=/y", "model=dflash",
-                                                                         "model.mask_token_id=7", *overrides]))
+                                                                         "model.dflash.mask_token_id=7", *overrides]))
             obj = DFlashObjective.from_config(cfg.validate(1))
             return obj, obj.build_drafter(prep, TAP_LAYERS, load_head(prep))
 
@@ -265,8 +267,8 @@ def test_offline_report_covers_dflash_with_every_familys_fields(tmp_path) -> Non
     conf = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "conf")
     with initialize_config_dir(conf, version_base="1.3"):
         cfg = RunConfig.from_omegaconf(compose("train", overrides=[
-            f"data.dir={prep}", "out_dir=/y", "model=dflash", "model.mask_token_id=7", "model.tap_layers=[4,1]",
-            f"model.block_size={BS}", "model.num_layers=2"]))
+            f"data.dir={prep}", "out_dir=/y", "model=dflash", "model.dflash.mask_token_id=7",
+            "model.tap_layers=[4,1]", f"model.dflash.block_size={BS}", "model.dflash.num_layers=2"]))
     obj = DFlashObjective.from_config(cfg.validate(1))
     head = load_head(prep)
     torch.manual_seed(0)

@@ -73,3 +73,15 @@ def test_cycle_time_share_adds_up_to_one() -> None:
     recs[1].time_s, recs[1].phase_s = 2.0, {"draft": 0.5, "verify": 1.5, "kv": 0.25}
     share = metrics.cycle_time_share(recs)
     assert share == pytest.approx({"draft": 0.25, "verify": 0.625, "kv": 0.0625, "other": 0.0625})
+
+
+def test_reports_are_strict_json() -> None:
+    """NaN (a depth never reached) and inf become null at any depth, keys str, tuples lists."""
+    import json
+
+    from data_prep.strict_json import json_safe
+
+    report = {"alpha_n": [0.5, math.nan], 3: {"tau": math.inf, "pair": (1.0, -math.inf)}, "n": 2}
+    safe = json_safe(report)
+    assert safe == {"alpha_n": [0.5, None], "3": {"tau": None, "pair": [1.0, None]}, "n": 2}
+    json.dumps(safe, allow_nan=False)  # raises on anything strict JSON refuses

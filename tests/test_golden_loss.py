@@ -19,8 +19,8 @@ from test_train_distributed import records, train_in_one_process
 FAMILIES = {
     "eagle3": [],
     "eagle1": ["model=eagle1"],
-    "dflash": ["model=dflash", "model.tap_layers=[1,3,4]", "model.mask_token_id=255", "model.num_layers=2",
-               "model.block_size=6", "train.dflash_anchors=5"],
+    "dflash": ["model=dflash", "model.tap_layers=[1,3,4]", "model.dflash.mask_token_id=255",
+               "model.dflash.num_layers=2", "model.dflash.block_size=6", "train.dflash.anchors=5"],
 }
 # method -> (train loss at steps 1..4, held-out loss_k[0] and sim_tau at step 4); measured at this commit
 GOLDEN = {

@@ -75,7 +75,8 @@ def test_every_drafter_family_rotates_as_the_target(tmp_path: Path, method: str,
     cfg = RunConfig(out_dir=str(tmp_path / "run"))
     cfg.model.method, cfg.data.max_len = method, LONG
     if method == "dflash":
-        cfg.model.num_layers, cfg.model.tap_layers, cfg.model.mask_token_id = 1, list(TAP_LAYERS), 0
+        cfg.model.tap_layers = list(TAP_LAYERS)
+        cfg.model.dflash.num_layers, cfg.model.dflash.mask_token_id = 1, 0
     drafter = make_objective(cfg).build_drafter(prep, list(TAP_LAYERS), load_head(prep))
     assert drafter.cfg.max_position_embeddings == max(LONG, target["max_position_embeddings"])
     cos, sin = drafter.rotary(POSITIONS, torch.float32)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
 from train.config import ConfigError, RunConfig, register_configs
 from train.engine import lr_lambda
@@ -58,6 +59,22 @@ def test_presets_are_deltas() -> None:
     assert ttt.train.epochs == 10 and ttt.train.ttt_steps == 7
     assert debug.train.max_steps == 10 and debug.logger.wandb_mode == "disabled"
     assert debug.deepspeed == base.deepspeed  # debug changes only what it lists
+
+
+# The key that names what a group option selects: it may equal the schema's default (zero3, eagle3, ...).
+SELECTOR = {"model": "method", "deepspeed": "zero_stage", "logger": "wandb_mode"}
+
+
+@pytest.mark.parametrize("option", sorted(f"{p.parent.name}/{p.stem}" for p in CONF.glob("*/*.yaml")
+                                          if p.parent.name in SELECTOR))
+def test_group_options_hold_choices_not_defaults(option: str) -> None:
+    """Defaults live once, in train/config.py's dataclasses: a group option repeats none of them."""
+    group = option.split("/")[0]
+    defaults = OmegaConf.to_container(OmegaConf.structured(RunConfig)[group])
+    values = OmegaConf.to_container(OmegaConf.load(CONF / f"{option}.yaml"))
+    assert set(values) <= set(defaults)
+    repeated = [k for k, v in values.items() if v == defaults[k] and k != SELECTOR[group]]
+    assert not repeated, f"conf/{option}.yaml repeats defaults: {', '.join(f'{group}.{k}' for k in repeated)}"
 
 
 @pytest.mark.parametrize("group, key, value", [("deepspeed=zero2", "deepspeed.zero_stage", 2),

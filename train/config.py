@@ -10,13 +10,14 @@ enumerations, combinations); launch/train.py calls it before any process group e
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from data_prep.config import ConfigError, check_keys
+from models.dflash import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS
 
 PRECISIONS = ("auto", "bf16", "fp32")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
@@ -24,6 +25,18 @@ WANDB_MODES = ("offline", "online", "disabled")
 OVERFLOW = ("truncate", "split")
 SCHEDULES = ("cosine", "wsd")
 ACCEPT_KINDS = ("none", "tv", "log")  # train.accept_loss: train/loss.py AcceptTerm
+
+
+@dataclass
+class DFlashModelConfig:
+    """model.dflash: the DFlash drafter's own shape (model.method=dflash, models/dflash.py)."""
+
+    num_layers: int = DEFAULT_NUM_LAYERS  # drafter decoder layers
+    block_size: int = DEFAULT_BLOCK_SIZE  # B = [last accepted token, MASK x (B - 1)]
+    # A reserved target token id for MASK; None = "<|MASK|>" if the tokenizer has it, else the first
+    # embedding row past the tokenizer (Qwen3: 151669), else its highest special token the chat template
+    # does not use (SmolLM2: 16 "<empty_output>").
+    mask_token_id: int | None = None
 
 
 @dataclass
@@ -39,12 +52,7 @@ class ModelConfig:
     rope_theta: float | None = None
     # max_position_embeddings written into the export; None = max(data.max_len, target's).
     max_position_embeddings: int | None = None
-    # DFlash (model.method=dflash, models/dflash.py); None = the method's default. Other methods ignore them.
-    num_layers: int | None = None  # drafter decoder layers; None = models.dflash.DEFAULT_NUM_LAYERS
-    block_size: int | None = None  # B = [last accepted token, MASK x (B - 1)]; None = models.dflash.DEFAULT_BLOCK_SIZE
-    # A reserved target token id for MASK; None = "<|MASK|>" if the tokenizer has it, else the first
-    # embedding row past the tokenizer, else its last special token the chat template does not use.
-    mask_token_id: int | None = None
+    dflash: DFlashModelConfig = field(default_factory=DFlashModelConfig)  # model.method=dflash only
     # EAGLE-3 levers (presets in conf/lever/, compared by a multirun). draft_vocab_size: None = the prep's draft vocabulary;
     # else that many ids cut from the prep's own ranking (data_prep/vocab.py; <= 0: the whole vocabulary).
     draft_vocab_size: int | None = None
@@ -86,6 +94,15 @@ class DataConfig:
     train_samples: int | None = None
     num_workers: int = 0  # DataLoader worker processes per rank
     verify: str = "lazy"  # shard checksum policy: lazy | eager | none
+
+
+@dataclass
+class DFlashTrainConfig:
+    """train.dflash: DFlash's block training (train/dflash.py)."""
+
+    anchors: int = 512  # blocks drawn per sequence, capped by the response positions it has
+    # block position k's CE is weighted exp(-(k - 1) / gamma) (7 for B = 16; the paper: 5 for B = 10)
+    gamma: float = 7.0
 
 
 @dataclass
@@ -134,10 +151,7 @@ class TrainConfig:
     resume: bool = False  # continue from <out_dir>/checkpoints/latest if it exists
     seed: int = 0
     log_interval: int = 1  # optimizer steps between metrics.jsonl lines
-    # DFlash (train/dflash.py): blocks (anchors) drawn per sequence, capped by the response positions it
-    # has; block position k's CE is weighted exp(-(k - 1) / gamma) (7 for B = 16; the paper: 5 for B = 10).
-    dflash_anchors: int = 512
-    dflash_gamma: float = 7.0
+    dflash: DFlashTrainConfig = field(default_factory=DFlashTrainConfig)  # model.method=dflash only
     export: bool = True  # write <run_dir>/export/ at the end
 
     def warmup(self, total_steps: int) -> int:
@@ -337,22 +351,28 @@ class RunConfig:
     def _validate_dflash(self) -> None:
         """The DFlash keys: ranges, and a warning where they are set for a method that ignores them."""
         m, t = self.model, self.train
-        for key, value, low in [("model.num_layers", m.num_layers, 1), ("model.block_size", m.block_size, 2),
-                                ("model.mask_token_id", m.mask_token_id, 0)]:
-            if value is not None and value < low:
-                raise ConfigError(f"{key} must be >= {low} or null, got {value}")
+        dm = m.dflash
+        if dm.num_layers < 1:
+            raise ConfigError(f"model.dflash.num_layers must be >= 1, got {dm.num_layers}")
+        if dm.block_size < 2:
+            raise ConfigError(f"model.dflash.block_size must be >= 2, got {dm.block_size}")
+        if dm.mask_token_id is not None and dm.mask_token_id < 0:
+            raise ConfigError(f"model.dflash.mask_token_id must be >= 0 or null, got {dm.mask_token_id}")
         if m.tap_layers is not None and (not m.tap_layers or min(m.tap_layers) < 0
                                          or len(set(m.tap_layers)) != len(m.tap_layers)):
             raise ConfigError(f"model.tap_layers must be distinct 0-based layer ids or null, got {m.tap_layers}")
-        if t.dflash_anchors < 1:
-            raise ConfigError(f"train.dflash_anchors must be >= 1, got {t.dflash_anchors}")
-        if not t.dflash_gamma > 0:
-            raise ConfigError(f"train.dflash_gamma must be > 0, got {t.dflash_gamma}")
+        if t.dflash.anchors < 1:
+            raise ConfigError(f"train.dflash.anchors must be >= 1, got {t.dflash.anchors}")
+        if not t.dflash.gamma > 0:
+            raise ConfigError(f"train.dflash.gamma must be > 0, got {t.dflash.gamma}")
         if m.method != "dflash":
-            keys = ("num_layers", "block_size", "mask_token_id") + (("tap_layers",) if m.method == "eagle1" else ())
-            unused = [k for k in keys if getattr(m, k) is not None]
+            default = DFlashModelConfig()
+            unused = [f"model.dflash.{f.name}" for f in fields(dm)
+                      if getattr(dm, f.name) != getattr(default, f.name)]
+            if m.method == "eagle1" and m.tap_layers is not None:
+                unused.append("model.tap_layers")
             if unused:
-                warnings.warn(f"model.{', model.'.join(unused)}: not used by model.method={m.method} (ignored)",
+                warnings.warn(f"{', '.join(unused)}: not used by model.method={m.method} (ignored)",
                               stacklevel=3)
         elif m.attn_backend != "auto":
             warnings.warn("model.attn_backend has no effect with model.method=dflash (SDPA with explicit "

@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from data_prep.strict_json import json_safe
 from train.batch import Batch, collate
 from train.objective import Objective
 
@@ -27,16 +28,6 @@ def _batches(shard_set: Any, indices: Sequence[int], batch_size: int) -> Iterato
     order = sorted(indices, key=lambda i: lengths[i])
     for start in range(0, len(order), batch_size):
         yield collate([shard_set[i] for i in order[start : start + batch_size]])
-
-
-def _json_safe(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, list):
-        return [_json_safe(v) for v in x]
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    return x
 
 
 def plot_report(report: dict, path: Path) -> None:
@@ -86,6 +77,6 @@ def offline_report(
         "positions": objective.positions,
         "teacher": getattr(getattr(shard_set, "manifest", None), "teacher", None),
     }
-    (out_dir / "offline_report.json").write_text(json.dumps(_json_safe(report), indent=1))
+    (out_dir / "offline_report.json").write_text(json.dumps(json_safe(report), indent=1))
     plot_report(report, out_dir / "offline_report.png")
     return report
