@@ -25,7 +25,7 @@ DEMO_PREP_ARGS ?= max_length=1024
 DEMO_EVAL_ARGS ?= decode.mode=tree decode.temperature=0 decode.num_prompts=10 decode.max_new_tokens=128 \
 	decode.auto_total_tokens=true threads=2
 
-.PHONY: setup prep train export eval demo test lint bench-prep engine-check regen-check bench-eval bench-peer clean
+.PHONY: setup prep train export eval demo test lint bench-prep engine-check regen-check bench-eval bench-decode bench-vllm bench-peer clean
 
 setup: $(STAMP)
 $(STAMP): pyproject.toml
@@ -84,6 +84,17 @@ regen-check: setup $(VLLM_VENV)/bin/python
 BENCH_EVAL_ARGS ?=
 bench-eval: setup
 	$(BIN)/python bench/spec_decode_speed.py --drafter $(RUN_DIR)/export --target $(MODEL) $(BENCH_EVAL_ARGS)
+
+# Where a speculative cycle's time goes (target forward vs tokens, drafter step vs nodes, ops, phases), fixed
+# vs adaptive verify budget side by side: ~10 min. Writes bench/results/decode_profile.{json,png}.
+bench-decode: setup
+	$(BIN)/python bench/decode_profile.py --drafter $(RUN_DIR)/export --target $(MODEL)
+
+# The same export served by vLLM's CPU build, plain vs EAGLE-3 at 1/4/16 concurrent requests: ~10 min.
+# Writes bench/results/vllm_serving.{json,png}.
+bench-vllm: setup $(VLLM_VENV)/bin/python
+	$(BIN)/python bench/vllm_serving.py --vllm-python $(VLLM_VENV)/bin/python --drafter $(RUN_DIR)/export \
+		--target $(MODEL)
 
 # vLLM's own venv (it pins its own torch); its torchvision/torchaudio/torchcodec builds break imports.
 $(VLLM_VENV)/bin/python:
