@@ -18,14 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def run_batch(base: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:

@@ -82,9 +82,10 @@ class VerifyCost:
             raise ValueError(f"need the 1-token time and one more size, got sizes {sorted(self.seconds)}")
         if min(self.seconds.values()) <= 0:
             raise ValueError(f"verify times must be positive, got {self.seconds}")
+        self._points = sorted(self.seconds.items())
 
     def __call__(self, n: int) -> float:
-        pts = sorted(self.seconds.items())
+        pts = self._points
         if n <= pts[0][0]:
             return pts[0][1]
         for (n0, t0), (n1, t1) in zip(pts, pts[1:]):
@@ -117,6 +118,7 @@ class AdaptiveBudget:
         self.overhead_s, self.cycles = 0.0, 0
         self.draft_s, self.draft_forwards = 0.0, 0  # drafter forwards after the root's, and their time
         self.log: list[dict[str, float]] = []  # per cycle: m, predicted and accepted drafts, seconds
+        self._verify_s = torch.zeros(0, dtype=torch.float64)  # verify(m + 1) for m = 0.., grown on demand
 
     @property
     def calibration(self) -> float:
@@ -142,9 +144,11 @@ class AdaptiveBudget:
         """(m, predicted accepted drafts c·V_m) for a tree whose drafted nodes have these path log-probs."""
         probs = torch.sort(values.double().exp(), descending=True).values
         gains = torch.cat([torch.zeros(1, dtype=torch.float64), probs.cumsum(0)]) * self.calibration
-        rate = self.rate
-        costs = torch.tensor([self.overhead + self.verify(m + 1) for m in range(gains.numel())], dtype=torch.float64)
-        m = int(torch.argmax(1.0 + gains - rate * costs))  # first maximum: the smaller tree on ties
+        n = gains.numel()
+        if self._verify_s.numel() < n:  # once per tree size, not per cycle
+            self._verify_s = torch.tensor([self.verify(m + 1) for m in range(n)], dtype=torch.float64)
+        costs = self.overhead + self._verify_s[:n]
+        m = int(torch.argmax(1.0 + gains - self.rate * costs))  # first maximum: the smaller tree on ties
         return m, float(gains[m])
 
     def observe(self, m: int, predicted: float, accepted: int, cycle_s: float, verify_s: float,

@@ -128,8 +128,8 @@ class TrainConfig:
     accept_loss: str = "none"
     accept_loss_weight: float = 1.0
     # The exact teacher's rows of every sample kept in memory across epochs (train/teacher_cache.py): its
-    # full-vocab head matmul, ~1/3 of a step for the embedded target, then runs once per sample. MB per
-    # process (a row: 4·Vd + 20 bytes; the demo's 35K rows at Vd 8,192 take 1.1 GB); 0 = recompute.
+    # full-vocab head matmul then runs once per sample. MB per process (a row: 4·Vd + 20 bytes; the demo's
+    # 34K loss rows at Vd 8,192 take 1.1 GB); 0 = recompute.
     teacher_epoch_cache_mb: int = 0
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])

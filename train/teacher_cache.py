@@ -1,8 +1,8 @@
 """The exact teacher's rows kept across epochs, so its full-vocabulary head matmul runs once per sample.
 
-For the embedded target the teacher (49,152-column logits of every target row) is about a third of a
-training step, and it is the same in every epoch: a sample's teacher depends only on its stored final
-hidden states. `TeacherCache` keeps, per sample (its id, and the first position a sequence-parallel slice
+The teacher (full-vocabulary logits of every target row: 49,152 columns for the embedded target) is the
+step's one matmul that does not depend on the drafter, so it is the same in every epoch: a sample's teacher
+depends only on its stored final hidden states. `TeacherCache` keeps, per sample (its id, and the first position a sequence-parallel slice
 owns), what a `Target` is rebuilt from: the draft-vocabulary logits, the full log-sum-exp and the argmax
 (`train.loss.DraftLogits`, fp32: the loss sees the very values it saw the first time). It fills up to a
 memory budget per process and then only serves what it holds; a miss recomputes as before.
@@ -69,13 +69,11 @@ def cached_draft_logits(cache: TeacherCache, head, batch, b_idx: Tensor, j_idx: 
     counts = torch.bincount(b_idx, minlength=len(keys)).tolist()
     positions = list(j_idx.split(counts))
     rows = cache.lookup(keys, positions)
-    missing = [i for i, r in enumerate(rows) if r is None and counts[i]]
+    missing = [i for i, r in enumerate(rows) if r is None]
     for i in missing:
         # One sample at a time: its rows come out the same whatever batch it is in, so a run that resumes
         # (cache empty) or a miss recomputes exactly what a hit would have served.
         hidden = batch.teacher_hidden[i, positions[i]]
         rows[i] = join([draft_logits(head, h, maps) for h in hidden.split(chunk_size)])
         cache.store([keys[i]], [positions[i]], [rows[i]])
-    empty = DraftLogits(torch.zeros(0, dtype=torch.long), torch.zeros(0, maps.draft_to_target.numel()),
-                        torch.zeros(0, 1))
-    return join([r if r is not None else empty for r in rows])
+    return join(rows)
