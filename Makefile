@@ -86,9 +86,11 @@ bench-eval: setup
 	$(BIN)/python bench/spec_decode_speed.py --drafter $(RUN_DIR)/export --target $(MODEL) $(BENCH_EVAL_ARGS)
 
 # Where a speculative cycle's time goes (target forward vs tokens, drafter step vs nodes, ops, phases), fixed
-# vs adaptive verify budget side by side: ~10 min. Writes bench/results/decode_profile.{json,png}.
+# vs adaptive verify budget side by side, then the target's matrix products alone against the tokens: ~12 min.
+# Writes bench/results/decode_profile.{json,png} and bench/results/projection_gemm.json.
 bench-decode: setup
 	$(BIN)/python bench/decode_profile.py --drafter $(RUN_DIR)/export --target $(MODEL)
+	$(BIN)/python bench/projection_gemm.py --target $(MODEL)
 
 # The same export served by vLLM's CPU build, plain vs EAGLE-3 at 1/4/16 concurrent requests: ~10 min.
 # Writes bench/results/vllm_serving.{json,png}.

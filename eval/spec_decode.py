@@ -101,13 +101,13 @@ def plain_generate(
     eos = frozenset(eos_token_ids)
     cache = target.new_cache()
     out: list[int] = []
-    logits = target.forward(prompt_ids, cache, want_taps=False).logits[-1]
+    logits = target.forward(prompt_ids, cache, want_taps=False, last_logits_only=True).logits[-1]
     forwards = 1
     while True:
         stop = _finish(out, [sampling.next_token(logits, params, generator)], max_new_tokens, eos)
         if stop:
             break
-        logits = target.forward([out[-1]], cache, want_taps=False).logits[-1]
+        logits = target.forward([out[-1]], cache, want_taps=False, last_logits_only=True).logits[-1]
         forwards += 1
     return GenerationRecord(len(prompt_ids), out, stop, time.perf_counter() - t0, forwards)
 
@@ -185,7 +185,7 @@ class SpeculativeDecoder:
         self.target_cache = cache = self.target.new_cache()
         clock = _PhaseClock(rec.phase_s)
 
-        pre = self.target.forward(prompt_ids, cache)
+        pre = self.target.forward(prompt_ids, cache, last_logits_only=True)
         rec.target_forwards += 1
         root = sampling.next_token(pre.logits[-1], params, generator)
         stop = _finish(rec.output_ids, [root], max_new_tokens, eos)

@@ -15,7 +15,7 @@ FINAL_FEATURE = -1
 
 @dataclass
 class TargetOutput:
-    logits: Tensor  # [T, V] (batch 1 squeezed)
+    logits: Tensor  # [T, V] (batch 1 squeezed); [1, V] with last_logits_only
     taps: Tensor | None  # [T, n_taps * H] hidden states after the tap layers, concatenated in tap order
 
 
@@ -76,8 +76,11 @@ class TargetRunner:
         position_ids: Tensor | None = None,
         allowed: Tensor | None = None,
         want_taps: bool = True,
+        last_logits_only: bool = False,
     ) -> TargetOutput:
-        """Appends the new tokens' K/V to `cache`. allowed: None (causal) or bool [T, past + T] (tree mask)."""
+        """Appends the new tokens' K/V to `cache`. allowed: None (causal) or bool [T, past + T] (tree mask).
+        last_logits_only: the LM head runs on the last token only (a prefill needs no logits for the prompt's
+        other tokens, and the head over a 200-token prompt costs as much as several decode steps)."""
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(1, -1)
         pos = None if position_ids is None else position_ids.to(self.device).reshape(1, -1)
         mask = None
@@ -93,6 +96,7 @@ class TargetRunner:
             cache=cache,
             use_cache=True,
             output_hidden_states=want_taps,
+            logits_to_keep=1 if last_logits_only else 0,
         )
         taps = None
         if want_taps:
