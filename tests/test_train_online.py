@@ -8,7 +8,7 @@ sample by sample as online training captures):
   (c) 2 processes (gloo, ZeRO-3 drafter, the target partitioned by ZeRO-3) match 1 process (a whole copy), as
       offline;
   (d) hybrid: the shards epoch 0 writes hold prep's samples, epoch 1 reads them (the curve stays the online
-      one), and a hybrid run stopped mid-epoch and resumed writes every sample once and the same curve.
+      one), and a hybrid run killed mid-epoch and resumed writes every sample once and the same curve.
 The 1-process runs share one Python process (test_train_distributed's driver); checks of what must fail before
 training starts run in-process.
 """
@@ -71,7 +71,6 @@ def runs(tmp_path_factory, prep: Path) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("online")
     r = {k: base / k for k in ("offline", "online", "stopped", "online7", "hybrid", "hybrid_stopped", "two")}
     online, hybrid = ["data.source=online"], ["data.source=hybrid", "data.hybrid_tokens_per_shard=200"]
-    buffering = ["data.source=hybrid", "data.hybrid_tokens_per_shard=300"]  # ~3 samples: some buffered at the stop
     jobs_in_one_process(prep, [
         (r["offline"], FOUR),
         (r["online"], [*FOUR, *online]),
@@ -79,12 +78,27 @@ def runs(tmp_path_factory, prep: Path) -> dict[str, Path]:
         (r["stopped"], [*FOUR, *online, "train.resume=true"]),
         (r["online7"], [*SEVEN, *online]),
         (r["hybrid"], [*SEVEN, *hybrid]),
-        (r["hybrid_stopped"], [*SEVEN, *buffering, "train.stop_after_steps=3"]),
-        (r["hybrid_stopped"], [*SEVEN, *buffering, "train.resume=true"]),
+        (r["hybrid_stopped"], [*SEVEN, *hybrid, "train.stop_after_steps=3"]),
     ])
+    r["hybrid_killed"] = killed_hybrid(r["hybrid_stopped"], 2, base / "hybrid_killed")
+    jobs_in_one_process(prep, [(r["hybrid_killed"], [*SEVEN, *hybrid, "train.resume=true"])])
     # 2 processes with the target partitioned by ZeRO-3 (a whole copy per rank measured bit-identical to it)
     torchrun(r["two"], prep, *FOUR, *online, "data.target_placement=zero3")
     return r
+
+
+def killed_hybrid(run: Path, step: int, copy: Path) -> Path:
+    """A copy of hybrid `run` (stopped at step 3) as a kill leaves it after its step-`step` checkpoint, while its
+    last shard was renamed into place but not yet recorded: a resume replays the batches after `step` (whose
+    recorded samples are not written again) and captures that shard's samples anew."""
+    from test_train_distributed import killed_after
+
+    killed_after(run, step, copy)
+    partial = copy / "captured" / "train" / "manifest.r0.json"
+    manifest = json.loads(partial.read_text())
+    manifest["shards"] = manifest["shards"][:-1]  # its file stays: the orphan a crash leaves
+    partial.write_text(json.dumps(manifest))
+    return copy
 
 
 def _curve(run: Path) -> dict[int, tuple]:
@@ -198,10 +212,11 @@ def _samples(root: Path) -> dict[str, object]:
 
 def test_hybrid_writes_prep_shards_then_reads_them(runs, prep: Path) -> None:
     """(d) Epoch 0 writes the shards prep wrote (every sample once, checksummed, in prep's format); epoch 1 reads
-    them; the curve is the online one; a run stopped mid-epoch and resumed writes the same and trains the same."""
+    them; the curve is the online one; a run killed mid-epoch (after its last shard's rename, before its record)
+    and resumed writes the same shards and trains the same."""
     want = _samples(prep / "train")
     spec = json.loads((prep / "train" / "manifest.json").read_text())
-    for run in ("hybrid", "hybrid_stopped"):
+    for run in ("hybrid", "hybrid_killed"):
         root = runs[run] / "captured" / "train"
         got = _samples(root)
         assert sorted(got) == sorted(want)
@@ -210,17 +225,20 @@ def test_hybrid_writes_prep_shards_then_reads_them(runs, prep: Path) -> None:
                 assert torch.equal(getattr(got[sid], name), getattr(sample, name)), (run, sid, name)
         manifest = json.loads((root / "manifest.json").read_text())
         assert {k: v for k, v in manifest.items() if k != "shards"} == {k: v for k, v in spec.items() if k != "shards"}
-        assert len(manifest["shards"]) > 1  # small shards: several, some written before the stop, some after
+        assert len(manifest["shards"]) > 1  # 200-token shards: several, some written before the kill, some after
+        recorded = {Path(s["file"]).name for s in manifest["shards"]}
+        assert {p.name for p in (root / "shards").iterdir()} == recorded  # no orphan, no temp file left
     online = _curve(runs["online7"])
     assert sorted(online) == list(range(1, 8))
     assert _curve(runs["hybrid"]) == online  # steps 6, 7: epoch 1, read from the hybrid shards
-    assert _curve(runs["hybrid_stopped"]) == online
+    assert _curve(runs["hybrid_killed"]) == online
     summary = json.loads((runs["hybrid"] / "summary.json").read_text())
     assert summary["data"]["source"] == "hybrid" and summary["data"]["bytes_written"] > 0
     # epoch 0's 5 batches of 2, one forward per sample, none in epoch 1 (every sample was in epoch 0)
     assert summary["data"]["target_forwards"] == 10
-    # resumed at batch 3: its 4 samples, and again what the stopped run had captured but not yet written
-    assert json.loads((runs["hybrid_stopped"] / "summary.json").read_text())["data"]["target_forwards"] > 4
+    # resumed at batch 2: its 3 batches' 6 samples, and at the end of epoch 0 again the unrecorded shard's sample
+    # from batches 0-1 (that shard holds 3 samples, batch 2 only 2 of them)
+    assert json.loads((runs["hybrid_killed"] / "summary.json").read_text())["data"]["target_forwards"] > 6
 
 
 def test_what_would_fail_later_fails_before_training(tiny_prep_dir: Path, tiny_target_dir: Path, tmp_path: Path) -> None:

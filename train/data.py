@@ -282,6 +282,12 @@ class ShardBatches:
         )
         yield from loader
 
+    def close(self) -> None:
+        """End of the run: a source that writes (hybrid) writes what it holds."""
+        close = getattr(self.shards, "close", None)
+        if close is not None:
+            close()
+
     def stats(self) -> dict:
         """What the source did: the target's forward time and bytes written online (train/online.py)."""
         stats = getattr(self.shards, "stats", None)

@@ -299,6 +299,12 @@ class HybridSamples:
         shards = ShardSet(self.root, verify=self.verify)
         self._view = _InRenderedOrder(shards, self.online.sample_ids(), self.online.lengths(), needed, self.manifest)
 
+    def close(self) -> None:
+        """At the end of a run: this rank's buffered samples into shards (recorded, so a resumed or longer run with
+        the same out_dir skips them); the shard set itself is merged at the start of epoch 1 (`for_epoch`)."""
+        if self._writer is not None:
+            self._writer.close()
+
     def stats(self) -> dict:
         written = self._writer.bytes_written if self._writer is not None else sum(
             p.stat().st_size for p in (self.root / "shards").glob(f"r{self.rank:03d}-*.safetensors"))

@@ -261,6 +261,7 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
                 break
 
     finished = step >= steps_total
+    train_data.close()  # hybrid: its buffered samples into shards
     if last_saved != step:
         save_checkpoint(engine, module, run_dir, step, cursor, cfg)
     if finished and eval_data is not None and last_eval != step:
