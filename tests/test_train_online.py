@@ -122,7 +122,8 @@ def _online_source(prep: Path, cfg: RunConfig):
     from train.online import OnlineSamples, load_frozen_target
 
     rendered = RenderedSet(prep, "train")
-    return OnlineSamples(rendered, load_frozen_target(rendered, cfg.data, torch.device("cpu")), cfg.data.max_len)
+    max_tokens = cfg.data.max_len if cfg.data.overflow == "truncate" else None  # as train/online.py sample_sources
+    return OnlineSamples(rendered, load_frozen_target(rendered, cfg.data, torch.device("cpu")), max_tokens)
 
 
 def _loss_and_grads(prep: Path, cfg: RunConfig, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -258,6 +259,18 @@ def test_what_would_fail_later_fails_before_training(tiny_prep_dir: Path, tiny_t
     cfg.target = str(other)
     with pytest.raises(TargetMismatch, match=r"num_layers 6 \(the prep's: 8\)"):
         load_frozen_target(RenderedSet(prep, "train"), cfg, torch.device("cpu"))
+    cfg.target = None
+    # rendered for other taps than its shards hold; taps the target does not have
+    spec_path = prep / RENDERED_DIR / SPEC_FILE
+    original = spec_path.read_text()
+    raw = json.loads(original)
+    raw["spec"]["tap_layers"] = [1, 3, 9]
+    spec_path.write_text(json.dumps(raw))
+    with pytest.raises(ShardError, match="mixes two preps"):
+        rendered_splits(prep)
+    with pytest.raises(TargetMismatch, match=r"tap layers \[1, 3, 9\]"):
+        load_frozen_target(RenderedSet(prep, "train"), cfg, torch.device("cpu"))
+    spec_path.write_text(original)
     # a corrupt rendered file, then a missing spec
     data = prep / RENDERED_DIR / "train.r0.safetensors"
     raw = bytearray(data.read_bytes())
@@ -291,3 +304,40 @@ def test_stage_render_prep_has_no_shards_and_trains_online(tmp_path: Path, tiny_
     cfg = _config(out, "online")
     batches = list(ShardBatches(_online_source(out, cfg), cfg.data, 2, 0, 1).epoch(0))
     assert len(batches) == 3 and batches[0].taps.shape[-1] == 3 * 32 and batches[0].teacher_hidden is not None
+
+
+def test_split_windows_online_are_the_offline_windows(prep: Path) -> None:
+    """data.overflow=split: online captures each whole sample once and windows it as offline windows the shards."""
+    cfg = _config(prep, "online")
+    cfg.data.overflow, cfg.data.max_len, cfg.data.split_overlap = "split", 48, 8
+    offline = ShardBatches(prep / "train", cfg.data, 2, 0, 1)
+    online = ShardBatches(_online_source(prep, cfg), cfg.data, 2, 0, 1)
+    assert offline.items == online.items and len(offline.items) > len({i for i, _ in offline.items})  # some split
+    pairs = list(zip(offline.epoch(1), online.epoch(1), strict=True))
+    assert any("@" in sid for a, _ in pairs for sid in a.sample_ids)  # later windows among them
+    for a, b in pairs:
+        assert a.sample_ids == b.sample_ids
+        for name in ("input_ids", "loss_mask", "valid", "taps", "teacher_hidden"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_compact_teacher_and_fp8_taps_online_are_what_the_shards_hold(tmp_path: Path, tiny_target_dir: Path,
+                                                                       tiny_sharegpt_file: Path) -> None:
+    """A top-k teacher and fp8 taps: the online samples carry the stored kinds and dtypes, with the same values (the
+    fp8 quantisation and the compact teacher run as prep runs them)."""
+    from conftest import run_prep
+
+    out = tmp_path / "topk"
+    run_prep(out, str(tiny_target_dir), str(tiny_sharegpt_file), num_samples=4, eval_samples=2, draft_vocab_size=32,
+             **{"regen.enabled": False, "capture.batch_tokens": 1, "capture.teacher": "topk", "capture.topk": 5,
+                "capture.taps_dtype": "float8_e4m3fn"})
+    cfg = _config(out, "online")
+    online = _online_source(out, cfg)
+    shards = ShardSet(out / "train")
+    assert online.sample_ids() == shards.sample_ids()
+    for i, want in enumerate(shards):
+        got = online[i]
+        assert got.teacher_hidden is None and got.teacher_topk_ids.shape == (len(want), 5)
+        for name in ("input_ids", "loss_mask", "taps", "teacher_topk_ids", "teacher_topk_logits"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), name

@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -35,6 +35,7 @@ from torch import nn
 from data_prep.rendered import Rendered, RenderedSet, TargetSource
 from data_prep.shards import (
     MANIFEST,
+    Manifest,
     Sample,
     ShardError,
     ShardSet,
@@ -316,6 +317,10 @@ def rendered_splits(prep: Path) -> tuple[RenderedSet, RenderedSet | None]:
     train/data.py held_out_split checks the shard sets."""
     asked = finished_prep(prep).get("eval_samples_requested")
     train = RenderedSet(prep, "train")
+    shards = Path(prep) / "train" / MANIFEST
+    if shards.exists() and asdict(Manifest.from_file(shards).spec()) != asdict(train.spec):
+        raise ShardError(f"{train.root / 'spec.json'}: another capture than {shards} records (target, taps, teacher "
+                         "or hashes): the prep dir mixes two preps; rerun the prep")
     if asked == 0:
         return train, None
     held_out = RenderedSet(prep, "eval")
@@ -329,8 +334,6 @@ def sample_sources(cfg, run_dir: Path, rank: int, world: int, device: torch.devi
                    partition: Callable[[nn.Module], object] | None, barrier: Callable[[], None]):
     """(train, held-out or None) sample sources of data.source=online|hybrid for this data-parallel rank: the
     prep's rendered splits through one frozen target, loaded here once every file and the target are checked."""
-    from dataclasses import asdict
-
     d = cfg.data
     prep = Path(d.dir)
     train_rendered, eval_rendered = rendered_splits(prep)
