@@ -158,7 +158,7 @@ class _Indexed(Dataset):
     collate in `truncate` mode), else a later window of a split sample. `source` is a sample source: the prep's
     ShardSet, or one that computes its samples (train/online.py), asked for a micro-batch's samples at once."""
 
-    def __init__(self, source, items: list[tuple[int, int]], max_len: int, overlap: int):
+    def __init__(self, source: Any, items: list[tuple[int, int]], max_len: int, overlap: int):
         self.source, self.items, self.max_len, self.overlap = source, items, max_len, overlap
 
     def __len__(self) -> int:

@@ -46,7 +46,7 @@ from data_prep.shards import (
     finished_prep,
     merge_manifests,
 )
-from train.config import DataConfig
+from train.config import DataConfig, RunConfig
 
 CAPTURED_DIR = "captured"  # <out_dir>/captured/train: a hybrid run's shard set
 
@@ -330,8 +330,9 @@ def rendered_splits(prep: Path) -> tuple[RenderedSet, RenderedSet | None]:
     return train, held_out
 
 
-def sample_sources(cfg, run_dir: Path, rank: int, world: int, device: torch.device,
-                   partition: Callable[[nn.Module], object] | None, barrier: Callable[[], None]):
+def sample_sources(cfg: RunConfig, run_dir: Path, rank: int, world: int, device: torch.device,
+                   partition: Callable[[nn.Module], object] | None, barrier: Callable[[], None]
+                   ) -> tuple[OnlineSamples | HybridSamples, OnlineSamples | None]:
     """(train, held-out or None) sample sources of data.source=online|hybrid for this data-parallel rank: the
     prep's rendered splits through one frozen target, loaded here once every file and the target are checked."""
     d = cfg.data
