@@ -108,7 +108,8 @@ class DataConfig:
     # ZeRO-3 partitions its weights over the ranks and gathers each layer for its forward (every rank runs every
     # forward: one per micro-batch).
     target_placement: str = "replicate"
-    hybrid_tokens_per_shard: int = 1 << 20  # data.source=hybrid: tokens per shard written (prep's capture.tokens_per_shard)
+    # data.source=hybrid: tokens per shard it writes (prep's capture.tokens_per_shard)
+    hybrid_tokens_per_shard: int = 1 << 20
 
 
 @dataclass
