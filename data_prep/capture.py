@@ -125,3 +125,29 @@ def compact_teacher(
         "teacher_topk_ids": torch.cat(ids).view(*lead, k),
         "teacher_topk_logits": torch.cat(vals).view(*lead, k),
     }
+
+
+def capture_samples(capture: HiddenStateCapture, head: nn.Module | None, spec, batch: list, device) -> list:
+    """The shard samples (data_prep.shards.Sample, as captured: the target's dtype) of `batch` (rendered samples:
+    conversation_id, input_ids, loss_mask), from ONE right-padded forward of the target: the tap layers' outputs
+    and the teacher of `spec.teacher` (the last layer's output for "hidden", else `compact_teacher` on `head`).
+    Prep's capture stage and online training (train/online.py) both call this."""
+    from data_prep.shards import Sample
+
+    ids, attn = pad_right([s.input_ids for s in batch])
+    got = capture(ids.to(device), attn.to(device))
+    teacher = {}
+    if spec.teacher != "hidden":
+        teacher = compact_teacher(head, got.final_hidden, spec.teacher, spec.teacher_topk)
+    samples = []
+    for i, s in enumerate(batch):
+        n = len(s.input_ids)
+        samples.append(Sample(
+            sample_id=s.conversation_id,
+            input_ids=s.input_ids,
+            loss_mask=s.loss_mask,
+            taps=got.taps[i, :n].cpu(),
+            teacher_hidden=got.final_hidden[i, :n].cpu() if spec.teacher == "hidden" else None,
+            **{k: v[i, :n].cpu() for k, v in teacher.items()},
+        ))
+    return samples

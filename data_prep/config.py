@@ -47,7 +47,9 @@ class CaptureConfig:
 class PrepConfig:
     model: str = "smollm2-135m-instruct"  # preset name | hub id | local HF directory
     # all: the whole prep. vocab: only (re)build <out>/draft_vocab.safetensors of a finished prep from its
-    # shards and the dataset (no model is loaded; pass the prep's own data, seed and eval_samples).
+    # shards and the dataset (no model is loaded; pass the prep's own data, seed and eval_samples). render: every
+    # stage up to the capture (regenerated, rendered samples: <out>/rendered/, draft vocabulary, target files), no
+    # shards: train it with data.source=online|hybrid (the target computes the features inside training).
     stage: str = "all"
     data: str = "sharegpt-embedded"  # preset | hub id | local JSON/JSONL/Parquet file or directory
     out: str = MISSING
@@ -81,8 +83,8 @@ class PrepConfig:
             raise ValueError(f"capture.teacher must be hidden|topk|argmax, got {self.capture.teacher!r}")
         if self.capture.taps_dtype not in ("bfloat16", "float8_e4m3fn"):
             raise ValueError(f"capture.taps_dtype must be bfloat16|float8_e4m3fn, got {self.capture.taps_dtype!r}")
-        if self.stage not in ("all", "vocab"):
-            raise ValueError(f"stage must be all|vocab, got {self.stage!r}")
+        if self.stage not in ("all", "vocab", "render"):
+            raise ValueError(f"stage must be all|vocab|render, got {self.stage!r}")
         if self.draft_vocab_count not in ("dataset", "train"):
             raise ValueError(f"draft_vocab_count must be dataset|train, got {self.draft_vocab_count!r}")
         if not 0.0 <= self.draft_vocab_train_weight <= 1.0:

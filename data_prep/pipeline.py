@@ -11,6 +11,9 @@ Output directory (the prep contract; the shard format itself is documented in da
     <out>/target_config.json         the target's HF config
     <out>/tokenizer/                 the target's tokenizer (loss-mask viewer, eval)
     <out>/regen/{split}.r{rank}.jsonl  regenerated conversations with a status per conversation
+    <out>/rendered/                  the samples before capture (token ids, loss masks; data_prep/rendered.py):
+                                     what data.source=online|hybrid training runs the target on. stage=render
+                                     stops after writing them (and the files beside the shards): no shards
     <out>/summary.json               counts, skips by reason, bytes, throughput; written last (atomically) and
                                      removed when a rerun starts rewriting: no summary = an unfinished prep
 
@@ -30,7 +33,7 @@ import json
 import os
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -38,16 +41,25 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from data_prep.capture import HiddenStateCapture, compact_teacher, pad_right
+from data_prep.capture import HiddenStateCapture, capture_samples
 from data_prep.chat import Dropped, render_conversation, render_prompt, template_hash
 from data_prep.config import PrepConfig
 from data_prep.conversations import Conversation, SkipReport, load_conversations, split_conversations
 from data_prep.fidelity import check_fidelity, probe_batch
+from data_prep.rendered import (
+    RENDERED_DIR,
+    Rendered,
+    RenderedSet,
+    TargetSource,
+    capture_order,
+    has_rendered,
+    write_spec,
+    write_split,
+)
 from data_prep.shards import (
     PREP_SUMMARY,
     TARGET_CONFIG_FILE,
     TARGET_HEAD_FILE,
-    Sample,
     ShardSpec,
     ShardWriter,
     bytes_per_token,
@@ -71,13 +83,6 @@ from models.target_head import TargetHead
 
 SPLITS = ("train", "eval")
 NOT_SKIPS = ("captured_tokens", "truncated to max_length")  # counted, but the sample is kept
-
-
-@dataclass
-class Rendered:
-    conversation_id: str
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
 
 
 def _world() -> tuple[int, int]:
@@ -217,9 +222,8 @@ def render_all(cfg: PrepConfig, tokenizer, convs: list[Conversation], preset: Ta
 
 def length_batches(samples: list[Rendered], batch_tokens: int) -> list[list[Rendered]]:
     """Group length-sorted samples so that padded batch size x length stays under batch_tokens."""
-    ordered = sorted(samples, key=lambda s: len(s.input_ids))
     batches: list[list[Rendered]] = []
-    for s in ordered:
+    for s in capture_order(samples):
         if batches and (len(batches[-1]) + 1) * len(s.input_ids) <= batch_tokens:
             batches[-1].append(s)
         else:
@@ -235,25 +239,9 @@ def capture_split(cfg, head, capture, spec, samples, root: Path, rank: int, devi
     bar = tqdm(total=sum(len(s.input_ids) for s in todo), unit="tok", desc=f"capture {root.name} r{rank}",
                disable=rank != 0)
     for batch in length_batches(todo, cfg.capture.batch_tokens):
-        ids, attn = pad_right([s.input_ids for s in batch])
-        got = capture(ids.to(device), attn.to(device))
-        teacher = {}
-        if spec.teacher != "hidden":
-            teacher = compact_teacher(head, got.final_hidden, spec.teacher, spec.teacher_topk)
-        for i, s in enumerate(batch):
-            n = len(s.input_ids)
-            extra = {k: v[i, :n].cpu() for k, v in teacher.items()}
-            writer.add(
-                Sample(
-                    sample_id=s.conversation_id,
-                    input_ids=s.input_ids,
-                    loss_mask=s.loss_mask,
-                    taps=got.taps[i, :n].cpu(),
-                    teacher_hidden=got.final_hidden[i, :n].cpu() if spec.teacher == "hidden" else None,
-                    **extra,
-                )
-            )
-            tokens += n
+        for sample in capture_samples(capture, head, spec, batch, device):
+            writer.add(sample)
+            tokens += len(sample)
         bar.update(sum(len(s.input_ids) for s in batch))
     bar.close()
     writer.close()
@@ -294,10 +282,11 @@ def print_fidelity(result: dict) -> None:
 
 def write_draft_vocab(cfg: PrepConfig, out: Path, vocab_size: int, dataset_counts: torch.Tensor | None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """<out>/draft_vocab.safetensors from the train shards' loss tokens (+ the dataset-wide count)."""
+    """<out>/draft_vocab.safetensors from the train split's loss tokens (+ the dataset-wide count): its rendered
+    samples (the same ids and masks as its shards, without reading any feature), or a prep's shards from before them."""
     from data_prep.shards import ShardSet
 
-    train = ShardSet(out / "train", verify="none")
+    train = RenderedSet(out, "train") if has_rendered(out, "train") else ShardSet(out / "train", verify="none")
     counts = count_tokens(((s.input_ids, s.loss_mask) for s in train), vocab_size)
     scores = selection_scores(counts, dataset_counts, cfg.draft_vocab_train_weight)
     d2t, t2d = build_draft_vocab(scores, cfg.draft_vocab_size)
@@ -347,11 +336,22 @@ def vocab_summary(cfg: PrepConfig, d2t, t2d, counts, dataset_counts) -> dict:
     }
 
 
+def split_sizes(out: Path, captured: bool) -> tuple[dict[str, int], dict[str, int], int]:
+    """(samples per split, tokens per split, shard bytes): from the merged manifests (written here) of a prep
+    that captured, else (stage=render) from its rendered samples, which training runs the target on."""
+    if not captured:
+        sets = {split: RenderedSet(out, split) for split in SPLITS}
+        return {s: len(sets[s]) for s in SPLITS}, {s: sum(sets[s].lengths()) for s in SPLITS}, 0
+    manifests = {split: merge_manifests(out / split) for split in SPLITS}
+    size = sum((out / split / s.file).stat().st_size for split, m in manifests.items() for s in m.shards)
+    return ({s: manifests[s].num_samples for s in SPLITS}, {s: manifests[s].num_tokens for s in SPLITS}, size)
+
+
 def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, head: TargetHead, model, tokenizer, world: int) -> dict:
     """Rank 0, after every rank closed its writers: manifests, draft vocab, target files, and the summary last,
     which marks the prep finished (data_prep/shards.py finished_prep)."""
     (out / PREP_SUMMARY).unlink(missing_ok=True)  # unfinished from the first rewritten file on
-    manifests = {split: merge_manifests(out / split) for split in SPLITS}
+    samples, tokens, shard_bytes = split_sizes(out, captured=cfg.stage == "all")
     dataset_counts = None
     if cfg.draft_vocab_count == "dataset":  # every rank counted its share (run)
         dataset_counts = sum(load_file(str(out / f"dataset_counts.r{r}.safetensors"))["counts"] for r in range(world))
@@ -378,15 +378,18 @@ def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, head: TargetHead, model,
         "tap_layers": spec.tap_layers,
         "teacher": spec.teacher,
         "taps_dtype": spec.taps_dtype,
-        "samples": {s: manifests[s].num_samples for s in SPLITS},
+        "stage": cfg.stage,  # render: no shards (train with data.source=online|hybrid)
+        "shards": cfg.stage == "all",
+        "samples": samples,
         "eval_samples_requested": cfg.eval_samples,  # 0: made without a held-out split (training says so)
-        "tokens": {s: manifests[s].num_tokens for s in SPLITS},
+        "tokens": tokens,
         "loss_tokens_train": int(counts.sum()),
         "skipped": {k: v for k, v in sorted(total.items()) if k not in NOT_SKIPS},
         "truncated_to_max_length": total["truncated to max_length"],
         "loader_skips": parts[0]["loader_skips"],
         "regen": [p.get("regen") for p in parts],
-        "bytes_written": sum((out / split / s.file).stat().st_size for split, m in manifests.items() for s in m.shards),
+        "bytes_written": shard_bytes,
+        "rendered_bytes": sum(p.stat().st_size for p in (out / RENDERED_DIR).iterdir() if p.is_file()),
         "bytes_per_token": bytes_per_token(spec)["total"],
         "bytes_per_token_options": {k: v["total"] for k, v in options.items()},
         "capture_tokens_per_s": total["captured_tokens"] / capture_s,
@@ -428,6 +431,8 @@ def run(cfg: PrepConfig) -> dict | None:
         chat_template_hash=template_hash(tokenizer),
         max_length=cfg.max_length,
     )
+    write_spec(out, spec, TargetSource(model=str(Path(preset.local_path).resolve()) if preset.local_path else cfg.model,
+                                      dtype=cfg.dtype or preset.dtype, chat_template=cfg.chat_template))
     counts: Counter = Counter()
     regen_summary: dict = {}
     capture_seconds = 0.0
@@ -445,6 +450,10 @@ def run(cfg: PrepConfig) -> dict | None:
                 mine, regen_summary[split] = regenerate_split(cfg, preset, model, tokenizer, mine, path)
             rendered, render_counts = render_all(cfg, tokenizer, mine, preset)
             counts.update(render_counts)
+            rendered = capture_order(rendered)
+            write_split(out, split, rank, world, rendered)  # what online training reads (data_prep/rendered.py)
+            if cfg.stage == "render":
+                continue
             stats = capture_split(cfg, head, capture, spec, rendered, out / split, rank, device)
             counts["captured_tokens"] += stats["tokens"]
             capture_seconds += stats["seconds"]

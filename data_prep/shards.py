@@ -226,6 +226,58 @@ def bytes_per_token(spec: ShardSpec) -> dict[str, float]:
     return {"taps": taps, "teacher": teacher, "ids_mask": ids_mask, "total": taps + teacher + ids_mask}
 
 
+def stored_fields(spec: ShardSpec) -> tuple[str, ...]:
+    """The Sample fields a shard of `spec` stores (its teacher kind's only)."""
+    teacher = {"hidden": ("teacher_hidden",), "topk": ("teacher_topk_ids", "teacher_topk_logits"),
+               "argmax": ("teacher_argmax",)}[spec.teacher]
+    return ("input_ids", "loss_mask", "taps", *teacher)
+
+
+def to_storage(fields: dict[str, torch.Tensor], spec: ShardSpec) -> dict[str, torch.Tensor]:
+    """Per-token tensors (of one sample, or of many joined along the token axis) in a shard's dtypes: what
+    ShardWriter writes. Every conversion is per token (fp8 scales too), so a sample stored alone equals its
+    slice of a stored shard."""
+    out = {"input_ids": fields["input_ids"].to(torch.int32), "loss_mask": fields["loss_mask"].to(torch.bool)}
+    if spec.taps_dtype == "float8_e4m3fn":
+        out["taps"], out["taps_scale"] = quantize_fp8(fields["taps"], len(spec.tap_layers))
+    else:
+        out["taps"] = fields["taps"].to(TAP_DTYPES[spec.taps_dtype])
+    if spec.teacher == "hidden":
+        out["teacher_hidden"] = fields["teacher_hidden"].to(torch.bfloat16)
+    elif spec.teacher == "topk":
+        out["teacher_topk_ids"] = fields["teacher_topk_ids"].to(torch.int32)
+        out["teacher_topk_logits"] = fields["teacher_topk_logits"].to(torch.bfloat16)
+    else:
+        out["teacher_argmax"] = fields["teacher_argmax"].to(torch.int32)
+    return out
+
+
+def from_storage(sample_id: str, stored: dict[str, torch.Tensor]) -> Sample:
+    """A Sample from its stored tensors (a shard's slices, or `to_storage`'s output): what ShardSet returns."""
+    taps = stored["taps"]
+    if "taps_scale" in stored:
+        taps = dequantize_fp8(taps, stored["taps_scale"])
+    elif taps.dtype != torch.bfloat16:
+        taps = taps.to(torch.bfloat16)
+    ids, argmax = stored.get("teacher_topk_ids"), stored.get("teacher_argmax")
+    return Sample(
+        sample_id=sample_id,
+        input_ids=stored["input_ids"].long(),
+        loss_mask=stored["loss_mask"].bool(),
+        taps=taps,
+        teacher_hidden=stored.get("teacher_hidden"),
+        teacher_topk_ids=None if ids is None else ids.long(),
+        teacher_topk_logits=stored.get("teacher_topk_logits"),
+        teacher_argmax=None if argmax is None else argmax.long(),
+    )
+
+
+def as_read_back(sample: Sample, spec: ShardSpec) -> Sample:
+    """`sample`, as captured, exactly as a shard set of `spec` returns it once written (storage dtypes, the fp8
+    round trip): what online training trains on, so that it sees the very values offline training reads."""
+    return from_storage(sample.sample_id, to_storage({n: getattr(sample, n) for n in stored_fields(spec)}, spec))
+
+
 class ShardWriter:
     """Buffers samples of one rank and writes them as shards of about `tokens_per_shard` tokens."""
 
@@ -281,23 +333,8 @@ class ShardWriter:
 
     def _pack(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
         lengths = torch.tensor([0] + [len(s) for s in samples], dtype=torch.int64)
-        out = {
-            "offsets": lengths.cumsum(0),
-            "input_ids": torch.cat([s.input_ids for s in samples]).to(torch.int32),
-            "loss_mask": torch.cat([s.loss_mask for s in samples]).to(torch.bool),
-        }
-        taps = torch.cat([s.taps for s in samples])
-        if self.spec.taps_dtype == "float8_e4m3fn":
-            out["taps"], out["taps_scale"] = quantize_fp8(taps, len(self.spec.tap_layers))
-        else:
-            out["taps"] = taps.to(TAP_DTYPES[self.spec.taps_dtype])
-        if self.spec.teacher == "hidden":
-            out["teacher_hidden"] = torch.cat([s.teacher_hidden for s in samples]).to(torch.bfloat16)
-        elif self.spec.teacher == "topk":
-            out["teacher_topk_ids"] = torch.cat([s.teacher_topk_ids for s in samples]).to(torch.int32)
-            out["teacher_topk_logits"] = torch.cat([s.teacher_topk_logits for s in samples]).to(torch.bfloat16)
-        else:
-            out["teacher_argmax"] = torch.cat([s.teacher_argmax for s in samples]).to(torch.int32)
+        joined = {name: torch.cat([getattr(s, name) for s in samples]) for name in stored_fields(self.spec)}
+        out = {"offsets": lengths.cumsum(0), **to_storage(joined, self.spec)}
         return {k: v.contiguous() for k, v in out.items()}
 
     def close(self) -> Manifest:
@@ -387,28 +424,8 @@ class ShardSet:
         si, j = self._index[i]
         f, offsets = self._handle(si)
         a, b = offsets[j], offsets[j + 1]
-        keys = set(f.keys())
-
-        def read(name: str) -> torch.Tensor | None:
-            return f.get_slice(name)[a:b] if name in keys else None
-
-        taps = read("taps")
-        if "taps_scale" in keys:
-            taps = dequantize_fp8(taps, read("taps_scale"))
-        elif taps.dtype != torch.bfloat16:
-            taps = taps.to(torch.bfloat16)
-        ids = read("teacher_topk_ids")
-        argmax = read("teacher_argmax")
-        return Sample(
-            sample_id=self.manifest.shards[si].sample_ids[j],
-            input_ids=read("input_ids").long(),
-            loss_mask=read("loss_mask").bool(),
-            taps=taps,
-            teacher_hidden=read("teacher_hidden"),
-            teacher_topk_ids=None if ids is None else ids.long(),
-            teacher_topk_logits=read("teacher_topk_logits"),
-            teacher_argmax=None if argmax is None else argmax.long(),
-        )
+        stored = {name: f.get_slice(name)[a:b] for name in f.keys() if name != "offsets"}
+        return from_storage(self.manifest.shards[si].sample_ids[j], stored)
 
     def __iter__(self) -> Iterable[Sample]:
         return (self[i] for i in range(len(self)))

@@ -10,6 +10,9 @@
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint <host0>:29500 \
         --rdzv_id run1 launch/train.py +exp=eagle3_ttt data.dir=<shared fs> out_dir=<shared fs>
     # resume (any world size): the same command plus train.resume=true
+    # the frozen target inside training instead of reading shards (train/online.py); any prep,
+    # one made with stage=render (no shards) too
+    torchrun --nproc_per_node 8 launch/train.py +exp=eagle3_ttt data.dir=... data.source=online out_dir=...
     # sweep: every job in <out_dir>/job<N>/, then <out_dir>/sweep_summary.{md,json,png}
     torchrun --nproc_per_node 2 launch/train.py -m +exp=eagle3_ttt data.dir=... out_dir=outputs/sweep \
         train.ttt_steps=1,3,7 train.loss_decay=0.6,0.8,1.0

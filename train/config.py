@@ -23,6 +23,8 @@ PRECISIONS = ("auto", "bf16", "fp32")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 WANDB_MODES = ("offline", "online", "disabled")
 OVERFLOW = ("truncate", "split")
+SOURCES = ("offline", "online", "hybrid")  # data.source: train/online.py
+PLACEMENTS = ("replicate", "zero3")  # data.target_placement
 SCHEDULES = ("cosine", "wsd")
 ACCEPT_KINDS = ("none", "tv", "log")  # train.accept_loss: train/loss.py AcceptTerm
 
@@ -94,6 +96,20 @@ class DataConfig:
     train_samples: int | None = None
     num_workers: int = 0  # DataLoader worker processes per rank
     verify: str = "lazy"  # shard checksum policy: lazy | eager | none
+    # Where the target features come from (train/online.py). offline: the prep's shards. online: the frozen target
+    # runs inside training on the prep's rendered samples (<prep>/rendered/, written before its capture; no shard
+    # is read or written). hybrid: online in the first epoch, which writes the shards as prep does
+    # (<out_dir>/captured/train/), read by the later epochs.
+    source: str = "offline"
+    # online|hybrid: the target to run; None = the one the prep loaded (<prep>/rendered/spec.json). Another copy
+    # (a path on this machine) must match the prep: architecture, geometry, tokenizer and chat template.
+    target: str | None = None
+    # online|hybrid: where the frozen target lives. replicate: a whole copy on every rank's device. zero3: DeepSpeed
+    # ZeRO-3 partitions its weights over the ranks and gathers each layer for its forward (every rank runs every
+    # forward: one per micro-batch).
+    target_placement: str = "replicate"
+    # data.source=hybrid: tokens per shard it writes (prep's capture.tokens_per_shard)
+    hybrid_tokens_per_shard: int = 1 << 20
 
 
 @dataclass
@@ -249,6 +265,16 @@ class RunConfig:
         _one_of("logger.wandb_mode", lg.wandb_mode, WANDB_MODES)
         _one_of("data.verify", d.verify, ("lazy", "eager", "none"))
         _one_of("data.overflow", d.overflow, OVERFLOW)
+        _one_of("data.source", d.source, SOURCES)
+        _one_of("data.target_placement", d.target_placement, PLACEMENTS)
+        if d.source != "offline" and d.num_workers:
+            raise ConfigError(f"data.num_workers={d.num_workers} with data.source={d.source}: the target runs in the "
+                              "training process (set data.num_workers=0)")
+        if d.source == "hybrid" and ds.sequence_parallel_size > 1:
+            raise ConfigError("data.source=hybrid with deepspeed.sequence_parallel_size > 1 is not supported: the ranks of "
+                              "a sequence-parallel group read the same samples and would write the same shards")
+        if d.hybrid_tokens_per_shard < 1:
+            raise ConfigError(f"data.hybrid_tokens_per_shard must be >= 1, got {d.hybrid_tokens_per_shard}")
         for key, value in [
             ("data.max_len", d.max_len),
             ("data.batch_size", d.batch_size),

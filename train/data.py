@@ -15,6 +15,10 @@ similar length (little padding) while the epoch stays random. Incomplete batches
 Samples longer than data.max_len: `truncate` (the default, unchanged behaviour) keeps the first max_len
 tokens; `split` cuts them into overlapping windows (`windows`), each window an item of its own for the
 sampler, so a 100K-token sample trains all its targets instead of the first 40K.
+
+Where the samples come from is a *sample source* asked by index: the prep's ShardSet (data.source=offline), or
+train/online.py's, which run the frozen target on the prep's rendered samples (online, hybrid); the sampler,
+cursor, windows and collate are the same for all.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields, is_dataclass, replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -110,7 +115,11 @@ def window(sample, start: int, max_len: int, overlap: int):
 def held_out_split(prep: Path) -> Path | None:
     """The held-out split of a finished prep; None where the prep was made without one (eval_samples=0).
     A prep that was asked for held-out samples and lacks them is an error, never a run without evaluation."""
-    asked = finished_prep(prep).get("eval_samples_requested")  # None: a prep from before the key (asked)
+    summary = finished_prep(prep)
+    if summary.get("shards") is False:
+        raise ShardError(f"{prep}: prepared with stage=render, so it has no shards to read: train it with "
+                         "data.source=online or data.source=hybrid")
+    asked = summary.get("eval_samples_requested")  # None: a prep from before the key (asked)
     root = Path(prep) / "eval"
     if asked == 0:
         return None
@@ -144,22 +153,33 @@ def pad_to(batch: Batch, length: int) -> Batch:
 
 
 class _Indexed(Dataset):
-    """Items are (item index, padded length) pairs, so collate knows the global batch's length. An item is
+    """Items are (item index, padded length, blank) triples, so collate knows the global batch's length. An item is
     a (sample index, window start) pair: window start 0 = the sample from its beginning (truncated by
-    collate in `truncate` mode), else a later window of a split sample."""
+    collate in `truncate` mode), else a later window of a split sample. `source` is a sample source: the prep's
+    ShardSet, or one that computes its samples (train/online.py), asked for a micro-batch's samples at once."""
 
-    def __init__(self, shards: ShardSet, items: list[tuple[int, int]], max_len: int, overlap: int):
-        self.shards, self.items, self.max_len, self.overlap = shards, items, max_len, overlap
+    def __init__(self, source: Any, items: list[tuple[int, int]], max_len: int, overlap: int):
+        self.source, self.items, self.max_len, self.overlap = source, items, max_len, overlap
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, item: tuple[int, int, bool]):
-        index, length, blank = item
-        sample, start = self.items[index]
-        s = self.shards[sample]
-        s = window(s, start, self.max_len, self.overlap) if start else s
-        return (_blank(s) if blank else s), length
+        return self.__getitems__([item])[0]
+
+    def __getitems__(self, items: list[tuple[int, int, bool]]):
+        wanted = [self.items[index] for index, _, _ in items]
+        get_many = getattr(self.source, "get_many", None)
+        if get_many is None:
+            samples = [self.source[sample] for sample, _ in wanted]
+        else:  # a rank owns a sample through its first window; a blank row is nobody's (hybrid writes owned ones)
+            samples = get_many([sample for sample, _ in wanted],
+                               owned=[start == 0 and not blank for (_, start), (_, _, blank) in zip(wanted, items)])
+        out = []
+        for s, (_, start), (_, length, blank) in zip(samples, wanted, items):
+            s = window(s, start, self.max_len, self.overlap) if start else s
+            out.append(((_blank(s) if blank else s), length))
+        return out
 
 
 def _blank(sample):
@@ -187,7 +207,7 @@ class ShardBatches:
 
     def __init__(
         self,
-        root: Path,
+        root: Path | Any,
         cfg: DataConfig,
         batch_size: int,
         rank: int,
@@ -200,7 +220,8 @@ class ShardBatches:
         """max_samples: only the first samples of the split (a fixed held-out subset); subset: a fixed,
         nested subset of that many samples (`nested_subset`, data.train_samples). drop_last: an epoch is whole
         batches only (training); False (held-out evaluation): the samples left over make a smaller last batch."""
-        self.shards = ShardSet(root, verify=cfg.verify)
+        # a shard set's root, or a sample source (train/online.py: data.source=online|hybrid)
+        self.shards = ShardSet(root, verify=cfg.verify) if isinstance(root, (str, Path)) else root
         self.cfg, self.batch_size, self.rank, self.world_size, self.seed = (
             cfg,
             batch_size,
@@ -250,10 +271,24 @@ class ShardBatches:
             or [(batch[0], max(self.lengths[j] for j in batch), True)]
             for batch in order[start:]
         ]
+        source = self.shards
+        if hasattr(source, "for_epoch"):  # hybrid: the shard set once epoch 0 has written it (collective)
+            source = source.for_epoch(epoch, sorted({i for i, _ in self.items}))
         loader = DataLoader(
-            _Indexed(self.shards, self.items, self.cfg.max_len, self.cfg.split_overlap),
+            _Indexed(source, self.items, self.cfg.max_len, self.cfg.split_overlap),
             batch_sampler=plan,
             collate_fn=partial(_collate, max_len=self.cfg.max_len),
             num_workers=self.cfg.num_workers,
         )
         yield from loader
+
+    def close(self) -> None:
+        """End of the run: a source that writes (hybrid) writes what it holds."""
+        close = getattr(self.shards, "close", None)
+        if close is not None:
+            close()
+
+    def stats(self) -> dict:
+        """What the source did: the target's forward time and bytes written online (train/online.py)."""
+        stats = getattr(self.shards, "stats", None)
+        return stats() if stats is not None else {"source": "offline", "bytes_written": 0}

@@ -153,6 +153,28 @@ class _Schedule:  # a picklable lr lambda (LambdaLR keeps callable objects' __di
         return lr_lambda(step, self.warmup, self.total, self.min_ratio, self.kind, self.decay_ratio)
 
 
+def partition_frozen(module: nn.Module, ds_cfg: DeepSpeedConfig) -> Any:
+    """ZeRO-3 inference for a frozen module (data.target_placement=zero3: the online target): DeepSpeed's engine
+    without an optimizer partitions its weights over the ranks and gathers each layer's for its forward, on this
+    rank's device. Every rank must run every forward (train/online.py keeps their number equal). The module keeps
+    its dtype; DeepSpeed's hooks on it do the gathering. Returns the DeepSpeed engine, which the caller must keep:
+    a collected engine removes those hooks (DeepSpeedEngine.__del__)."""
+    import deepspeed
+
+    dtype = next(module.parameters()).dtype
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0,
+                              "stage3_param_persistence_threshold": ds_cfg.stage3_param_persistence_threshold},
+        "bf16": {"enabled": dtype == torch.bfloat16},  # DeepSpeed checks the params' dtype; buffers stay as they are
+        "fp16": {"enabled": dtype == torch.float16},
+        "steps_per_print": 1 << 30,
+    }
+    engine, *_ = deepspeed.initialize(model=module.to(device()), config=config, dist_init_required=False)
+    engine.eval()
+    return engine
+
+
 # ----------------------------------------------------------------------------------------- the engine
 class Engine:
     def __init__(self, ds_cfg: DeepSpeedConfig, train_cfg: TrainConfig, total_steps: int):

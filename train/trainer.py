@@ -16,6 +16,7 @@ term of the global sums, and DeepSpeed still averages gradients over all ranks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from pathlib import Path
@@ -160,6 +161,21 @@ def export(engine: Engine, module, out: Path, method: str) -> None:
     dist.barrier()
 
 
+def sample_sources(cfg: RunConfig, run_dir: Path, data_rank: int, data_world: int):
+    """(train, held-out or None) of data.source: the prep's shard sets (offline), or its rendered samples through
+    the frozen target (online, hybrid: train/online.py), every file and the target checked before training."""
+    prep = Path(cfg.data.dir)
+    if cfg.data.source == "offline":
+        return prep / "train", held_out_split(prep)  # held_out_split names an unfinished prep as such
+    from train.engine import device, partition_frozen
+    from train.online import sample_sources as online_sources
+
+    partition = None
+    if cfg.data.target_placement == "zero3":
+        partition = functools.partial(partition_frozen, ds_cfg=cfg.deepspeed)
+    return online_sources(cfg, run_dir, data_rank, data_world, device(), partition, dist.barrier)
+
+
 def run(cfg: RunConfig, run_dir: str | Path) -> dict:
     """Train per `cfg`, everything written under `run_dir`; returns the summary (rank 0; {} elsewhere)."""
 
@@ -172,13 +188,13 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    eval_root = held_out_split(prep)  # first: it names an unfinished prep as such
-    train_data = ShardBatches(prep / "train", cfg.data, cfg.data.batch_size, data_rank, data_world, seed=t.seed,
+    train_source, eval_source = sample_sources(cfg, run_dir, data_rank, data_world)
+    train_data = ShardBatches(train_source, cfg.data, cfg.data.batch_size, data_rank, data_world, seed=t.seed,
                               subset=cfg.data.train_samples)
     eval_data = None
-    if eval_root is not None:
+    if eval_source is not None:
         eval_data = ShardBatches(
-            eval_root, cfg.data, cfg.data.eval_batch_size, data_rank, data_world,
+            eval_source, cfg.data, cfg.data.eval_batch_size, data_rank, data_world,
             max_samples=cfg.data.eval_max_samples, drop_last=False,
         )
     elif rank == 0:
@@ -245,6 +261,7 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
                 break
 
     finished = step >= steps_total
+    train_data.close()  # hybrid: its buffered samples into shards
     if last_saved != step:
         save_checkpoint(engine, module, run_dir, step, cursor, cfg)
     if finished and eval_data is not None and last_eval != step:
@@ -267,6 +284,7 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
         "eval": eval_metrics,
         "wall_s": time.perf_counter() - t0,
         "tokens": tokens_total,
+        "data": train_data.stats(),  # online: the target forward's time; bytes written
         **memory_stats(),
     }
     if rank == 0:
