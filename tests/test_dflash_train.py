@@ -244,6 +244,10 @@ def test_build_drafter_takes_its_taps_from_the_shards(tmp_path) -> None:
         _, d = build("model.tap_layers=[4,1]", "model.norm_init=target")
         torch.testing.assert_close(d.norm.weight, load_head(prep).norm.weight.float())
         assert d.norm.weight.requires_grad
+        _, d = build("model.tap_layers=[4,1]", "model.norm_init=zeros")  # step 0 predicts uniformly
+        assert torch.equal(d.norm.weight, torch.zeros_like(d.norm.weight)) and d.norm.weight.requires_grad
+        x = torch.randn(3, d.cfg.hidden_size)
+        assert torch.equal(d.lm_head(d.norm(x)), torch.zeros(3, d.lm_head.weight.shape[0]))
         with pytest.warns(UserWarning, match="prep-taps"):  # default [1, 2, 3, 4, 5] not in the shards
             obj, d = build()
         assert default_target_layer_ids(8) == [1, 2, 3, 4, 5] and d.tap_layers == TAP_LAYERS

@@ -39,6 +39,20 @@ def drafter_config(config_cls: type, cfg: ModelConfig, prep_dir: Path, max_len: 
     return for_trained_length(dcfg, max_len, cfg.max_position_embeddings)
 
 
+def initial_norm_weight(kind: str, head: nn.Module, like: torch.Tensor) -> torch.Tensor | None:
+    """The drafter's final-norm weight at start (model.norm_init): None for `ones` (as constructed); `target`: the
+    target's final norm as a plain x·w multiplier (SmolLM2's weights average ~1.8, so ones start the logits of a
+    target head that much too cold); `zeros`: logits of exactly 0 at step 0. Why zeros: in front of a target LM
+    head tied to the embedding (SmolLM2), a residual stream that still carries its input token's embedding is
+    read back as a near-certain guess of a token it embeds (held-out CE ~53 at DFlash's step 0 against
+    ln V = 10.8 for a uniform guess); a zero multiplier starts at the uniform guess and grows from there."""
+    if kind == "ones":
+        return None
+    if kind == "zeros":
+        return torch.zeros_like(like)
+    return head.norm_weight_equivalent().to(like)
+
+
 def load_head(prep_dir: Path) -> nn.Module:
     """The frozen target norm + lm_head (+ embedding) that turn teacher hidden states into p."""
     from models.target_head import TargetHead

@@ -60,7 +60,9 @@ class ModelConfig:
     draft_vocab_size: int | None = None
     lm_head_init: str = "random"  # random | target: the target LM head's rows at the draft ids
     freeze_lm_head: bool = False  # with lm_head_init=target: those rows stay the target's (not trained)
-    norm_init: str = "ones"  # ones | target: the final norm starts as the target's final norm (EAGLE-3, DFlash)
+    # ones | target | zeros: the final norm starts at ones, as the target's final norm, or at zero (logits 0 at
+    # step 0: train.build.initial_norm_weight says why) (EAGLE-3, DFlash)
+    norm_init: str = "ones"
     fc_norm: bool = False  # "EAGLE-3.1": an RMSNorm on each tap before fc (vLLM's fc_norm)
     norm_output: bool = False  # "EAGLE-3.1": the next draft step takes norm(h), not h (vLLM's norm_output)
     # Target layers the drafter reads, in concat order; they must be in the shards (a prep may carry more:
@@ -239,7 +241,7 @@ class RunConfig:
         _one_of("model.method", m.method, METHODS)
         _one_of("model.attn_backend", m.attn_backend, ("auto", *sorted(ATTENTION)))
         _one_of("model.lm_head_init", m.lm_head_init, ("random", "target"))
-        _one_of("model.norm_init", m.norm_init, ("ones", "target"))
+        _one_of("model.norm_init", m.norm_init, ("ones", "target", "zeros"))
         _one_of("train.schedule", t.schedule, SCHEDULES)
         if m.freeze_lm_head and m.lm_head_init != "target":
             raise ConfigError("model.freeze_lm_head=true needs model.lm_head_init=target (a frozen random head "

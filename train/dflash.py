@@ -269,7 +269,7 @@ class DFlashObjective:
     def build_drafter(self, prep_dir: Path, tap_layers: list[int], head: nn.Module) -> nn.Module:
         from models.config import target_geometry
         from models.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
-        from train.build import drafter_config, target_config
+        from train.build import drafter_config, initial_norm_weight, target_config
 
         m = self.cfg.model
         geo = target_geometry(target_config(prep_dir))
@@ -292,11 +292,10 @@ class DFlashObjective:
                               target_layer_ids=taps, num_hidden_layers=layers, block_size=self.settings.block_size)
         drafter = DFlashDrafter(dcfg)
         drafter.load_target_weights(head.embed_tokens_weight, head.lm_head.weight)
-        if m.norm_init == "target":
-            # the frozen LM head was trained behind the target's norm (SmolLM2's weights average ~1.8):
-            # a norm of ones would start the logits that much too cold
+        norm = initial_norm_weight(m.norm_init, head, drafter.norm.weight)
+        if norm is not None:
             with torch.no_grad():
-                drafter.norm.weight.copy_(head.norm_weight_equivalent())
+                drafter.norm.weight.copy_(norm)
         drafter.checkpoint_layers = self.cfg.train.checkpoint_layer
         return drafter
 

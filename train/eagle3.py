@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from models.config import target_geometry
 from models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
 from train.batch import Batch, tap_columns
-from train.build import draft_vocab, drafter_config, target_config
+from train.build import draft_vocab, drafter_config, initial_norm_weight, target_config
 from train.config import ModelConfig
 from train.teacher_cache import TeacherCache
 from train.ttt import SUM_KEYS, TTTSettings, count_valid, eval_sums, summarize, ttt_loss
@@ -60,7 +60,7 @@ class Eagle3Objective:
         drafter.load_target_embedding(head.embed_tokens_weight)
         drafter.set_vocab_mapping(*draft_vocab(prep_dir, m.draft_vocab_size))
         drafter.init_output_from_target(head.lm_head.weight if m.lm_head_init == "target" else None,
-                                        head.norm_weight_equivalent() if m.norm_init == "target" else None)
+                                        initial_norm_weight(m.norm_init, head, drafter.norm.weight))
         drafter.lm_head.weight.requires_grad_(not m.freeze_lm_head)
         if drafter.embed_tokens.weight.requires_grad:
             raise RuntimeError("the target embedding inside the drafter must be frozen")
