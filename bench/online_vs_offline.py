@@ -44,7 +44,8 @@ def run_mode(prep: Path, mode: str, steps: int, out: Path, extra: list[str]) -> 
     step_s = [r["tokens"] / r["tokens_per_s"] for r in rows if r["kind"] == "train" and r["step"] > 1]
     data = summary["data"]
     median = statistics.median(step_s)
-    forward = data["target_forward_s"] / data["target_forwards"] if data.get("target_forwards") else 0.0
+    # per optimizer step (one forward per sample, so batch-size forwards a step), not per forward
+    forward = data["target_forward_s"] / summary["steps"] if data.get("target_forwards") else 0.0
     if mode == "offline":
         written = json.loads((prep / "summary.json").read_text())["bytes_written"]  # the dump offline reads
     else:
