@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,19 +36,15 @@ def projection_shapes(text_cfg) -> list[tuple[int, int]]:
 
 
 def stack_seconds(fns: list[Callable], in_sizes: list[int], m: int, repeats: int) -> float:
+    from decode_profile import median_seconds  # bench/ is on sys.path when a bench script runs
+
     inputs = {size: torch.randn(m, size) for size in set(in_sizes)}
 
     def once() -> None:
         for fn, size in zip(fns, in_sizes):
             fn(inputs[size])
 
-    once()  # kernel selection, allocations
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(once, repeats)
 
 
 def main() -> None:
