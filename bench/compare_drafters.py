@@ -10,6 +10,9 @@ Suites (variants = Hydra overrides on top of `+exp=<suite's exp>`, which fixes d
 - dflash: DFlash (block diffusion, docs/method.md §5) with its own recipe (+exp=dflash; blocks of 16 and of 8)
   against EAGLE-3 with its own (+exp=eagle3_demo), at equal training wall-clock: EAGLE-3's run sets the
   budget (evaluations left out), each DFlash variant's steps come from a short calibration run of it;
+- depth: EAGLE-3's TTT depth K = 2, 3, 4, 7 with the demo recipe (+exp=eagle3_demo, K = 3 its default) at
+  equal training wall-clock: K = 3's run sets the budget, the others' steps are calibrated to it;
+- batch: the demo recipe's global batch 8 against 4 and 16 (same lr), at equal training wall-clock likewise;
 - teacher: EAGLE-3 K = 7 trained on the exact teacher vs the compact ones (top-k logits, argmax labels);
 - scaling: one recipe on nested subsets of one large prep's training split (`--points`, data.train_samples),
   the budget scaled by the rule "the same number of epochs" (steps proportional to the data); adds
@@ -56,6 +59,19 @@ SUITES: dict[str, dict] = {
                           "overrides": ["model.dflash.block_size=8", "train.dflash.gamma=4"]},
         },
         "equal_wall": "eagle3",
+    },
+    # Levers of the demo recipe that change a step's cost, so they are compared at equal wall-clock; held-out
+    # metrics unroll 7 steps whatever K (+exp=eagle3_demo's train.eval_ttt_steps).
+    "depth": {
+        "exp": "eagle3_demo",
+        "variants": {"k3": [], "k2": ["train.ttt_steps=2"], "k4": ["train.ttt_steps=4"],
+                     "k7": ["train.ttt_steps=7"]},
+        "equal_wall": "k3",
+    },
+    "batch": {
+        "exp": "eagle3_demo",
+        "variants": {"b8": [], "b4": ["data.batch_size=4"], "b16": ["data.batch_size=16"]},
+        "equal_wall": "b8",
     },
     # Compact teachers (issue: long context): the same conversations captured with each teacher kind
     # (`make prep ... capture.teacher=topk` into <prep>-topk, `=argmax` into <prep>-argmax), trained alike;

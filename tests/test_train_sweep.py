@@ -83,3 +83,14 @@ def test_equal_wall_budget_from_a_calibration_run(tmp_path: Path) -> None:
     (calib / "summary.json").write_text(json.dumps({"finished": True}))
     args = cd.parse_args(["--suite", "dflash", "--prep", str(tmp_path), "--out", str(tmp_path)])
     assert cd.equal_wall_steps(args, "dflash", [], "dflash", budget_s=100.0) == 25
+
+
+def test_equal_wall_suites_run_their_budget_variant_first() -> None:
+    """main() calibrates every other variant to the reference's training seconds, so the reference must lead."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import compare_drafters as cd
+
+    suites = {name: s for name, s in cd.SUITES.items() if "equal_wall" in s}
+    assert {"dflash", "depth", "batch"} <= set(suites)
+    for name, suite in suites.items():
+        assert next(iter(suite["variants"])) == suite["equal_wall"], name
