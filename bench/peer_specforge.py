@@ -12,7 +12,7 @@ Two halves, two interpreters (SpecForge pins its own dependencies, so it never e
         [--ours <our run dir>] [--drafter label=<export dir> ...]
 
 `train` composes OUR training config (conf/train.yaml + `+exp=<exp>` + `--override key=value`), so the
-seed, batch size, data.max_len, epochs, lr, warmup, cosine-to-min_lr_ratio schedule, betas, eps, weight
+seed, batch size, data.max_len, epochs, lr, warmup, lr schedule (train.schedule, min_lr_ratio), betas, eps, weight
 decay, clip, K and λ are the ones `launch/train.py` would use. It reads the prep's train split through
 `train.data.ShardBatches` (world size 1): the same global batches in the same order as our trainer. What
 runs on them is SpecForge's: `LlamaForCausalLMEagle3` (built by `AutoDraftModel.from_config`, its own
