@@ -10,8 +10,8 @@ Suites (variants = Hydra overrides on top of `+exp=<suite's exp>`, which fixes d
 - dflash: DFlash (block diffusion, docs/method.md §5) with its own recipe (+exp=dflash; blocks of 16 and of 8)
   against EAGLE-3 with its own (+exp=eagle3_demo), at equal training wall-clock: EAGLE-3's run sets the
   budget (evaluations left out), each DFlash variant's steps come from a short calibration run of it;
-- depth: EAGLE-3's TTT depth K = 2, 3, 4, 7 with the demo recipe (+exp=eagle3_demo, K = 3 its default) at
-  equal training wall-clock: K = 3's run sets the budget, the others' steps are calibrated to it;
+- depth: EAGLE-3's TTT depth K = 3, 2, 4, 7 with the demo recipe (+exp=eagle3_demo) at equal training
+  wall-clock: K = 3's run sets the budget, the others' steps are calibrated to it;
 - batch: the demo recipe's global batch 8 against 4 and 16 (same lr), at equal training wall-clock likewise;
 - teacher: EAGLE-3 K = 7 trained on the exact teacher vs the compact ones (top-k logits, argmax labels);
 - scaling: one recipe on nested subsets of one large prep's training split (`--points`, data.train_samples),
@@ -64,8 +64,7 @@ SUITES: dict[str, dict] = {
     # metrics unroll 7 steps whatever K (+exp=eagle3_demo's train.eval_ttt_steps).
     "depth": {
         "exp": "eagle3_demo",
-        "variants": {"k3": [], "k2": ["train.ttt_steps=2"], "k4": ["train.ttt_steps=4"],
-                     "k7": ["train.ttt_steps=7"]},
+        "variants": {f"k{k}": [f"train.ttt_steps={k}"] for k in (3, 2, 4, 7)},  # explicit: the exp's K may change
         "equal_wall": "k3",
     },
     "batch": {
