@@ -112,6 +112,7 @@ def test_ill_typed_value_fails_with_its_name() -> None:
         ("train.ttt_steps=0", "train.ttt_steps"),
         ("model.attn_backend=nope", "model.attn_backend"),
         ("data.batch_size=3", "multiple of the world size"),
+        ("data.loss_tokens=prompt", "data.loss_tokens"),
     ],
 )
 def test_validate_rejects_bad_values(override: str, message: str) -> None:

@@ -122,3 +122,22 @@ def test_held_out_split_smaller_than_its_batch_gives_a_smaller_last_batch(prep: 
     assert all(not b.loss_mask.any() and (b.input_ids == 0).all() for b in blank)
     mixed = ShardBatches(prep / "eval", cfg, 4, rank=0, world_size=1, drop_last=False)
     assert mixed.batches_per_epoch == 2 and [len(b) for b in mixed.epoch(0, shuffle=False)] == [4, 2]
+
+
+@pytest.mark.parametrize("overflow", ["truncate", "split"])
+def test_loss_tokens_all_makes_every_real_token_a_target_once(prep: Path, overflow: str) -> None:
+    """data.loss_tokens=all: the same batches, every real token a loss target (the prep's mask covers two thirds
+    of each synthetic sample); split windows still leave their overlap to the window before (one target each)."""
+    cfg = DataConfig(dir=str(prep), batch_size=4, max_len=24, split_overlap=6, overflow=overflow)
+    masked = list(ShardBatches(prep / "train", cfg, 4, 0, 1, seed=0).epoch(0))
+    every = list(ShardBatches(prep / "train", cfg, 4, 0, 1, seed=0, all_tokens=True).epoch(0))
+    assert [b.sample_ids for b in masked] == [b.sample_ids for b in every]
+    for m, e in zip(masked, every):
+        assert not (m.loss_mask & ~e.loss_mask).any()  # a superset of the prep's mask
+        assert not (e.loss_mask & ~e.valid).any()  # never padding
+        first_windows = torch.tensor(["@" not in i for i in e.sample_ids])
+        assert torch.equal(e.loss_mask[first_windows], e.valid[first_windows])
+        later = e.loss_mask[~first_windows]
+        assert not later[:, :6].any() and torch.equal(later[:, 6:], e.valid[~first_windows][:, 6:])
+    assert sum(int(b.loss_mask.sum()) for b in every) > 1.3 * sum(int(b.loss_mask.sum()) for b in masked)
+    assert (overflow == "split") == any("@" in i for b in every for i in b.sample_ids)  # later windows were seen

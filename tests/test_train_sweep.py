@@ -91,6 +91,6 @@ def test_equal_wall_suites_run_their_budget_variant_first() -> None:
     import compare_drafters as cd
 
     suites = {name: s for name, s in cd.SUITES.items() if "equal_wall" in s}
-    assert {"dflash", "depth", "batch"} <= set(suites)
+    assert {"dflash", "depth", "cost"} <= set(suites)
     for name, suite in suites.items():
         assert next(iter(suite["variants"])) == suite["equal_wall"], name

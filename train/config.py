@@ -25,6 +25,7 @@ WANDB_MODES = ("offline", "online", "disabled")
 OVERFLOW = ("truncate", "split")
 SOURCES = ("offline", "online", "hybrid")  # data.source: train/online.py
 PLACEMENTS = ("replicate", "zero3")  # data.target_placement
+LOSS_TOKENS = ("assistant", "all")  # data.loss_tokens
 SCHEDULES = ("cosine", "wsd")
 ACCEPT_KINDS = ("none", "tv", "log")  # train.accept_loss: train/loss.py AcceptTerm
 
@@ -112,6 +113,11 @@ class DataConfig:
     target_placement: str = "replicate"
     # data.source=hybrid: tokens per shard it writes (prep's capture.tokens_per_shard)
     hybrid_tokens_per_shard: int = 1 << 20
+    # Which rows of the TRAIN split are loss targets. assistant: the prep's loss mask (the assistant's replies).
+    # all: every real token, the user's turns and the template's too: the stored teacher is the target's own
+    # prediction at every position, so each row still distils the target, at no prep cost. Held-out evaluation
+    # always scores the assistant rows (what decoding drafts).
+    loss_tokens: str = "assistant"
 
 
 @dataclass
@@ -269,6 +275,7 @@ class RunConfig:
         _one_of("data.overflow", d.overflow, OVERFLOW)
         _one_of("data.source", d.source, SOURCES)
         _one_of("data.target_placement", d.target_placement, PLACEMENTS)
+        _one_of("data.loss_tokens", d.loss_tokens, LOSS_TOKENS)
         if d.source != "offline" and d.num_workers:
             raise ConfigError(f"data.num_workers={d.num_workers} with data.source={d.source}: the target runs in the "
                               "training process (set data.num_workers=0)")

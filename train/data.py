@@ -158,8 +158,9 @@ class _Indexed(Dataset):
     collate in `truncate` mode), else a later window of a split sample. `source` is a sample source: the prep's
     ShardSet, or one that computes its samples (train/online.py), asked for a micro-batch's samples at once."""
 
-    def __init__(self, source: Any, items: list[tuple[int, int]], max_len: int, overlap: int):
+    def __init__(self, source: Any, items: list[tuple[int, int]], max_len: int, overlap: int, all_tokens: bool):
         self.source, self.items, self.max_len, self.overlap = source, items, max_len, overlap
+        self.all_tokens = all_tokens
 
     def __len__(self) -> int:
         return len(self.items)
@@ -177,6 +178,8 @@ class _Indexed(Dataset):
                                owned=[start == 0 and not blank for (_, start), (_, _, blank) in zip(wanted, items)])
         out = []
         for s, (_, start), (_, length, blank) in zip(samples, wanted, items):
+            if self.all_tokens:  # before windowing, which clears the overlap's rows of a later window
+                s = replace(s, loss_mask=torch.ones_like(s.loss_mask))
             s = window(s, start, self.max_len, self.overlap) if start else s
             out.append(((_blank(s) if blank else s), length))
         return out
@@ -216,10 +219,12 @@ class ShardBatches:
         max_samples: int | None = None,
         subset: int | None = None,
         drop_last: bool = True,
+        all_tokens: bool = False,
     ):
         """max_samples: only the first samples of the split (a fixed held-out subset); subset: a fixed,
         nested subset of that many samples (`nested_subset`, data.train_samples). drop_last: an epoch is whole
-        batches only (training); False (held-out evaluation): the samples left over make a smaller last batch."""
+        batches only (training); False (held-out evaluation): the samples left over make a smaller last batch.
+        all_tokens: every real token is a loss target, not only the prep's mask (data.loss_tokens=all)."""
         # a shard set's root, or a sample source (train/online.py: data.source=online|hybrid)
         self.shards = ShardSet(root, verify=cfg.verify) if isinstance(root, (str, Path)) else root
         self.cfg, self.batch_size, self.rank, self.world_size, self.seed = (
@@ -229,7 +234,7 @@ class ShardBatches:
             world_size,
             seed,
         )
-        self.drop_last = drop_last
+        self.drop_last, self.all_tokens = drop_last, all_tokens
         lengths = self.shards.lengths()
         chosen = range(len(lengths))[:max_samples]
         if subset is not None:
@@ -275,7 +280,7 @@ class ShardBatches:
         if hasattr(source, "for_epoch"):  # hybrid: the shard set once epoch 0 has written it (collective)
             source = source.for_epoch(epoch, sorted({i for i, _ in self.items}))
         loader = DataLoader(
-            _Indexed(source, self.items, self.cfg.max_len, self.cfg.split_overlap),
+            _Indexed(source, self.items, self.cfg.max_len, self.cfg.split_overlap, self.all_tokens),
             batch_sampler=plan,
             collate_fn=partial(_collate, max_len=self.cfg.max_len),
             num_workers=self.cfg.num_workers,

@@ -190,7 +190,7 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
     train_source, eval_source = sample_sources(cfg, run_dir, data_rank, data_world)
     train_data = ShardBatches(train_source, cfg.data, cfg.data.batch_size, data_rank, data_world, seed=t.seed,
-                              subset=cfg.data.train_samples)
+                              subset=cfg.data.train_samples, all_tokens=cfg.data.loss_tokens == "all")
     eval_data = None
     if eval_source is not None:
         eval_data = ShardBatches(
