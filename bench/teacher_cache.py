@@ -55,20 +55,18 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
+    from hydra import compose, initialize_config_dir
 
-    from train.config import register_configs
+    from train.config import RunConfig, register_configs
     from train.data import ShardBatches
 
     torch.set_num_threads(args.threads)
     register_configs()
     work = args.work or Path(tempfile.mkdtemp(prefix="teacher_cache."))
     prep, extra = args.prep.resolve(), shlex.split(args.train_args)
-    from hydra import compose, initialize_config_dir
-
-    from train.config import RunConfig
-
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = RunConfig.from_omegaconf(compose("train", overrides=["+exp=eagle3_demo", f"data.dir={prep}", *extra]))
+        composed = compose("train", overrides=["+exp=eagle3_demo", f"data.dir={prep}", f"out_dir={work}", *extra])
+    cfg = RunConfig.from_omegaconf(composed)
     per_epoch = ShardBatches(prep / "train", cfg.data, cfg.data.batch_size, 0, 1).batches_per_epoch
     steps = args.epochs * per_epoch
     plain = run(prep, steps, 0, work / "uncached", extra)
