@@ -130,14 +130,28 @@ def train_seconds(run_dir: Path) -> dict[int, float]:
 
 def equal_wall_steps(args: argparse.Namespace, name: str, overrides: list[str], exp: str, budget_s: float) -> int:
     """Optimizer steps of `name` that fit `budget_s` training seconds: a short calibration run of its own
-    recipe times its steps (the first left out: it pays one-off costs)."""
+    recipe times its steps (the first left out: it pays one-off costs) per token, and a step of the full run
+    costs that times its mean tokens (batch size x the train split's mean sample length, capped at max_len).
+    Per token, not per step: length-bucketed batches vary a lot in length, and a variant with another batch
+    size draws other samples for its first steps than the budget run did."""
+    import yaml
+
+    from data_prep.shards import ShardSet
+    from train.metrics import METRICS_FILE, read_metrics
+
     calib = f"{name}_calibration"
     train(args, calib, [*overrides, f"train.max_steps={CALIBRATION_STEPS}", "train.eval_interval=0",
                         "train.save_interval=0", "train.export=false"], exp)
-    clock = train_seconds(Path(args.out) / calib)
-    per_step = (clock[CALIBRATION_STEPS] - clock[1]) / (CALIBRATION_STEPS - 1)
+    run_dir = Path(args.out) / calib
+    clock = train_seconds(run_dir)
+    tokens = {r["step"]: r["tokens"] for r in read_metrics(run_dir / METRICS_FILE, kind="train")}
+    per_token = (clock[CALIBRATION_STEPS] - clock[1]) / sum(tokens[s] for s in range(2, CALIBRATION_STEPS + 1))
+    data = yaml.safe_load((run_dir / "config.yaml").read_text())["data"]
+    lengths = [min(n, data["max_len"]) for n in ShardSet(Path(data["dir"]) / "train", verify="none").lengths()]
+    per_step = per_token * data["batch_size"] * sum(lengths) / len(lengths)
     steps = max(1, int(budget_s / per_step))
-    print(f"[{name}] {per_step:.1f} s/step -> {steps} steps in {budget_s:.0f} s", flush=True)
+    print(f"[{name}] {per_step:.1f} s/step ({1e3 * per_token:.2f} ms/token) -> {steps} steps in {budget_s:.0f} s",
+          flush=True)
     return steps
 
 

@@ -69,20 +69,30 @@ def test_training_clock_leaves_the_evaluations_out() -> None:
 
 
 def test_equal_wall_budget_from_a_calibration_run(tmp_path: Path) -> None:
-    """bench/compare_drafters.py gives a variant the steps that fit the reference's training seconds, timed
-    by a finished calibration run of its own recipe (its first step left out)."""
+    """bench/compare_drafters.py gives a variant the steps that fit the reference's training seconds, timed per
+    token by a finished calibration run of its own recipe (its first step left out): a step of the full run costs
+    the batch's mean tokens, whatever lengths the calibration's few batches happened to draw."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import compare_drafters as cd
+    from synthetic_prep import write_synthetic_prep
 
+    from data_prep.shards import ShardSet
+
+    prep = write_synthetic_prep(tmp_path / "prep", n_train=12, n_eval=2, min_len=8, max_len=40)
     calib = tmp_path / "dflash_calibration"
     calib.mkdir()
     times = [0.0, 10.0, 14.0, 18.0, 22.0, 26.0, 30.0]  # step 1 pays one-off costs; then 4 s per step
+    tokens = [0, 50, 100, 300, 100, 300, 200]  # 20 s for the 1,000 tokens of steps 2..6: 0.02 s a token
     rows = [{"kind": "eval", "step": 0, "time": 0.0}]
-    rows += [{"kind": "train", "step": s, "time": t} for s, t in enumerate(times) if s]
+    rows += [{"kind": "train", "step": s, "time": t, "tokens": n} for s, (t, n) in enumerate(zip(times, tokens)) if s]
     (calib / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (calib / "config.yaml").write_text(f"data:\n  dir: {prep}\n  max_len: 16\n  batch_size: 4\n")
     (calib / "summary.json").write_text(json.dumps({"finished": True}))
+    lengths = [min(n, 16) for n in ShardSet(prep / "train", verify="none").lengths()]
+    assert max(lengths) == 16 > min(lengths)  # some samples capped at max_len, some shorter
+    per_step = 0.02 * 4 * sum(lengths) / len(lengths)
     args = cd.parse_args(["--suite", "dflash", "--prep", str(tmp_path), "--out", str(tmp_path)])
-    assert cd.equal_wall_steps(args, "dflash", [], "dflash", budget_s=100.0) == 25
+    assert cd.equal_wall_steps(args, "dflash", [], "dflash", budget_s=100.0) == int(100.0 / per_step)
 
 
 def test_equal_wall_suites_run_their_budget_variant_first() -> None:
