@@ -13,7 +13,7 @@ Suites (variants = Hydra overrides on top of `+exp=<suite's exp>`, which fixes d
 - depth: EAGLE-3's TTT depth K = 3, 2, 4, 7 with the demo recipe (+exp=eagle3_demo) at equal training
   wall-clock: K = 3's run sets the budget, the others' steps are calibrated to it;
 - cost: the demo recipe (global batch 8) against the levers that change a step's cost, at equal training wall-clock
-  likewise: batch 4 and 16 (same lr), and a loss on every token of a sample (+lever=all_tokens);
+  likewise: batch 2, 4 and 16 (same lr), and a loss on every token of a sample (+lever=all_tokens);
 - teacher: EAGLE-3 K = 7 trained on the exact teacher vs the compact ones (top-k logits, argmax labels);
 - scaling: one recipe on nested subsets of one large prep's training split (`--points`, data.train_samples),
   the budget scaled by the rule "the same number of epochs" (steps proportional to the data); adds
@@ -70,7 +70,7 @@ SUITES: dict[str, dict] = {
     },
     "cost": {
         "exp": "eagle3_demo",
-        "variants": {"b8": [], "b4": ["data.batch_size=4"], "b16": ["data.batch_size=16"],
+        "variants": {"b8": [], "b4": ["data.batch_size=4"], "b16": ["data.batch_size=16"], "b2": ["data.batch_size=2"],
                      "all_tokens": ["+lever=all_tokens"]},
         "equal_wall": "b8",
     },
