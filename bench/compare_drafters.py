@@ -138,14 +138,15 @@ def equal_wall_steps(args: argparse.Namespace, name: str, overrides: list[str], 
     import yaml
 
     from data_prep.shards import ShardSet
-    from train.metrics import METRICS_FILE, read_metrics
+    from train.metrics import METRICS_FILE, read_metrics, training_clock
 
     calib = f"{name}_calibration"
     train(args, calib, [*overrides, f"train.max_steps={CALIBRATION_STEPS}", "train.eval_interval=0",
                         "train.save_interval=0", "train.export=false"], exp)
     run_dir = Path(args.out) / calib
-    clock = train_seconds(run_dir)
-    tokens = {r["step"]: r["tokens"] for r in read_metrics(run_dir / METRICS_FILE, kind="train")}
+    records = read_metrics(run_dir / METRICS_FILE)
+    clock = training_clock(records)
+    tokens = {r["step"]: r["tokens"] for r in records if r["kind"] == "train"}
     per_token = (clock[CALIBRATION_STEPS] - clock[1]) / sum(tokens[s] for s in range(2, CALIBRATION_STEPS + 1))
     data = yaml.safe_load((run_dir / "config.yaml").read_text())["data"]
     lengths = [min(n, data["max_len"]) for n in ShardSet(Path(data["dir"]) / "train", verify="none").lengths()]

@@ -25,23 +25,35 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_mode(prep: Path, mode: str, steps: int, out: Path, extra: list[str]) -> dict:
+def step_seconds(record: dict) -> float:
+    """A train record's step time: its tokens / tokens_per_s (data loading included)."""
+    return record["tokens"] / record["tokens_per_s"]
+
+
+def run_demo_recipe(prep: Path, out: Path, overrides: list[str]) -> tuple[dict, dict[int, dict]]:
+    """One 1-rank run of the demo recipe (`+exp=eagle3_demo`) in this process, without evaluation, checkpoints or
+    export, `overrides` last: its summary and its train records (metrics.jsonl) by step."""
     from hydra import compose, initialize_config_dir
 
     from train.config import RunConfig
+    from train.metrics import METRICS_FILE, read_metrics
     from train.trainer import run
 
-    overrides = ["+exp=eagle3_demo", f"data.dir={prep}", f"out_dir={out}", f"data.source={mode}",
-                 f"train.max_steps={steps}", "train.epochs=1000", "train.eval_interval=0", "train.save_interval=0",
-                 "train.export=false", "data.eval_max_samples=2", "logger.wandb_mode=disabled", "logger.progress=false",
-                 *extra]
+    overrides = ["+exp=eagle3_demo", f"data.dir={prep}", f"out_dir={out}", "train.eval_interval=0",
+                 "train.save_interval=0", "train.export=false", "data.eval_max_samples=2", "logger.wandb_mode=disabled",
+                 "logger.progress=false", *overrides]
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = RunConfig.from_omegaconf(compose("train", overrides=overrides)).validate(1)
-    start = time.perf_counter()
     summary = run(cfg, out)
+    return summary, {r["step"]: r for r in read_metrics(out / METRICS_FILE, kind="train")}
+
+
+def run_mode(prep: Path, mode: str, steps: int, out: Path, extra: list[str]) -> dict:
+    start = time.perf_counter()
+    summary, records = run_demo_recipe(prep, out, [f"data.source={mode}", f"train.max_steps={steps}",
+                                                   "train.epochs=1000", *extra])
     wall = time.perf_counter() - start
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    step_s = [r["tokens"] / r["tokens_per_s"] for r in rows if r["kind"] == "train" and r["step"] > 1]
+    step_s = [step_seconds(r) for step, r in sorted(records.items()) if step > 1]  # step 1's window misses its batch
     data = summary["data"]
     median = statistics.median(step_s)
     # per optimizer step (one forward per sample, so batch-size forwards a step), not per forward

@@ -3,7 +3,7 @@
     python bench/teacher_cache.py --prep outputs/prep/smollm2-135m-instruct [--epochs 2] [--cache-mb 4096]
         [--threads 2] [--train-args "..."] [--out bench/results/teacher_cache.json]
 
-The demo recipe (`+exp=eagle3_demo`) runs in this process twice, without and with the cache, on the same seed and so
+The demo recipe (`+exp=eagle3_demo`, `online_vs_offline.run_demo_recipe`) runs in this process twice, without and with the cache, on the same seed and so
 the same global batches in the same order, for --epochs epochs (no evaluation, checkpoint or export). A step's time
 is metrics.jsonl's tokens / tokens_per_s (data loading included). Epoch 0 fills the cache (every row a miss, so it
 costs what the uncached step does plus the copy); from epoch 1 on every row is a hit and the full-vocabulary teacher
@@ -25,24 +25,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(prep: Path, steps: int, cache_mb: int, out: Path, extra: list[str]) -> dict[int, dict]:
-    """Per-step train records of one run of `steps` optimizer steps, by step."""
-    from hydra import compose, initialize_config_dir
-
-    from train.config import RunConfig
-    from train.trainer import run as train
-
-    overrides = ["+exp=eagle3_demo", f"data.dir={prep}", f"out_dir={out}", f"train.max_steps={steps}",
-                 "train.epochs=1000", "train.eval_interval=0", "train.save_interval=0", "train.export=false",
-                 "data.eval_max_samples=2", "logger.wandb_mode=disabled", "logger.progress=false",
-                 f"train.teacher_epoch_cache_mb={cache_mb}", *extra]
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = RunConfig.from_omegaconf(compose("train", overrides=overrides)).validate(1)
-    train(cfg, out)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows if r["kind"] == "train"}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prep", required=True, type=Path, help="a finished prep dir with the exact (hidden) teacher")
@@ -55,40 +37,35 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    from hydra import compose, initialize_config_dir
+    from online_vs_offline import run_demo_recipe, step_seconds
 
-    from train.config import RunConfig, register_configs
-    from train.data import ShardBatches
+    from train.config import register_configs
 
     torch.set_num_threads(args.threads)
     register_configs()
     work = args.work or Path(tempfile.mkdtemp(prefix="teacher_cache."))
     prep, extra = args.prep.resolve(), shlex.split(args.train_args)
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        composed = compose("train", overrides=["+exp=eagle3_demo", f"data.dir={prep}", f"out_dir={work}", *extra])
-    cfg = RunConfig.from_omegaconf(composed)
-    per_epoch = ShardBatches(prep / "train", cfg.data, cfg.data.batch_size, 0, 1).batches_per_epoch
-    steps = args.epochs * per_epoch
-    plain = run(prep, steps, 0, work / "uncached", extra)
-    cached = run(prep, steps, args.cache_mb, work / "cached", extra)
-
-    def step_s(r: dict) -> float:
-        return r["tokens"] / r["tokens_per_s"]
+    runs = {}
+    for name, mb in (("uncached", 0), ("cached", args.cache_mb)):
+        summary, runs[name] = run_demo_recipe(prep, work / name, [f"train.epochs={args.epochs}", *extra,
+                                                                  f"train.teacher_epoch_cache_mb={mb}"])
+    plain, cached = runs["uncached"], runs["cached"]
+    per_epoch = summary["steps"] // args.epochs
 
     epochs = []
     for e in range(args.epochs):
         # step 1 is left out: its window misses its own batch (train.metrics)
         ids = [s for s in range(e * per_epoch + 1, (e + 1) * per_epoch + 1) if s > 1 and s in plain and s in cached]
         epochs.append({"epoch": e, "steps": len(ids),
-                       "uncached_step_s_median": statistics.median(step_s(plain[s]) for s in ids),
-                       "cached_step_s_median": statistics.median(step_s(cached[s]) for s in ids),
-                       "cached_over_uncached_median": statistics.median(step_s(cached[s]) / step_s(plain[s])
+                       "uncached_step_s_median": statistics.median(step_seconds(plain[s]) for s in ids),
+                       "cached_step_s_median": statistics.median(step_seconds(cached[s]) for s in ids),
+                       "cached_over_uncached_median": statistics.median(step_seconds(cached[s]) / step_seconds(plain[s])
                                                                           for s in ids)})
     common = sorted(set(plain) & set(cached) - {1})
-    total = sum(step_s(cached[s]) for s in common) / sum(step_s(plain[s]) for s in common)
+    total = sum(step_seconds(cached[s]) for s in common) / sum(step_seconds(plain[s]) for s in common)
     loss_diff = max(abs(cached[s]["loss"] - plain[s]["loss"]) for s in common)
     result = {"prep": str(args.prep), "threads": args.threads, "train_args": args.train_args,
-              "cache_mb": args.cache_mb, "steps_per_epoch": per_epoch, "steps": steps, "epochs": epochs,
+              "cache_mb": args.cache_mb, "steps_per_epoch": per_epoch, "steps": summary["steps"], "epochs": epochs,
               "training_time_ratio": total, "max_abs_loss_difference": loss_diff}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
