@@ -138,21 +138,27 @@ def dataset_token_counts(cfg: PrepConfig, tokenizer, convs: list[Conversation], 
     return counts
 
 
-def first_prompt_tokens(tokenizer, conv: Conversation, kwargs: dict) -> int:
-    first = next(i for i, m in enumerate(conv.messages) if m.role == "assistant")
-    return len(render_prompt(tokenizer, conv.messages[:first], template_kwargs=kwargs))
+def prompt_tokens(tokenizer, messages, kwargs: dict) -> int:
+    return len(render_prompt(tokenizer, messages, template_kwargs=kwargs))
+
+
+def first_prompt(conv: Conversation) -> list:
+    return conv.messages[: next(i for i, m in enumerate(conv.messages) if m.role == "assistant")]
+
+
+def reply_room(cfg: PrepConfig) -> int:
+    """The longest prompt (tokens) after which a whole reply of regen.max_new_tokens still fits under
+    max_length: a longer one would be cut before its reply is complete, so it is not sent."""
+    return cfg.max_length - cfg.regen.max_new_tokens
 
 
 def plan_regeneration(cfg: PrepConfig, preset: TargetPreset, tokenizer, convs: list[Conversation]):
-    """Shortest prompts first (batches pad less), and no conversation whose first reply cannot fit.
-
-    A conversation whose first prompt leaves less than regen.max_new_tokens of room under max_length
-    would be cut before its regenerated reply is complete; it is skipped (counted), not regenerated.
-    """
+    """Shortest prompts first (batches pad less), and no conversation whose first reply cannot fit
+    (reply_room); those are skipped (counted), not regenerated. Later turns are held to the same room
+    during regeneration (regenerate_split), where a turn that does not fit ends its conversation."""
     kwargs = template_kwargs(cfg, preset)
-    lengths = {c.id: first_prompt_tokens(tokenizer, c, kwargs) for c in convs}
-    room = cfg.max_length - cfg.regen.max_new_tokens
-    kept = sorted((c for c in convs if lengths[c.id] <= room), key=lambda c: lengths[c.id])
+    lengths = {c.id: prompt_tokens(tokenizer, first_prompt(c), kwargs) for c in convs}
+    kept = sorted((c for c in convs if lengths[c.id] <= reply_room(cfg)), key=lambda c: lengths[c.id])
     return kept, len(convs) - len(kept)
 
 
@@ -161,6 +167,7 @@ def regenerate_split(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, co
     from data_prep.regenerate import HFBackend, OpenAIBackend, load_regenerated, regenerate
 
     r = cfg.regen
+    kwargs = template_kwargs(cfg, preset)
     thinking = r.enable_thinking if r.enable_thinking is not None else preset.enable_thinking
     if r.backend == "hf":
         backend = HFBackend(model, tokenizer, enable_thinking=thinking)
@@ -184,6 +191,7 @@ def regenerate_split(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, co
         top_p=r.top_p,
         batch_size=r.batch_size,
         max_turns=r.max_turns,
+        prompt_fits=lambda messages: prompt_tokens(tokenizer, messages, kwargs) <= reply_room(cfg),
     )
     ok = {c.id: c for c in load_regenerated(path)}
     return [ok[c.id] for c in convs if c.id in ok], summary.to_dict()

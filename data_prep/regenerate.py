@@ -13,7 +13,9 @@ Output: JSONL, one line per conversation, appended and flushed as each conversat
 
 - ok: every assistant turn (up to ``max_turns``) regenerated; a reply cut by ``max_new_tokens`` is
   kept (counted in ``truncated_replies``); an empty reply ends the conversation there.
-- skipped: nothing to regenerate (prompt too long for the model, first reply empty).
+- skipped: nothing to regenerate (prompt too long for the model or for ``prompt_fits``, first reply empty).
+  A later turn whose prompt does not fit ends the conversation before it (``ended early: ...``), keeping
+  the turns already regenerated: a context limit is not an error.
 - error: the backend failed after its retries; ``messages`` holds the turns done so far. Not for
   training.
 
@@ -30,7 +32,7 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,6 +42,7 @@ from data_prep.chat import end_of_turn, render_prompt
 from data_prep.conversations import Conversation, Message
 
 STATUSES = ("ok", "error", "skipped")
+CONTEXT_FULL = "prompt leaves no room for a reply (prompt_fits)"
 
 
 @dataclass
@@ -381,12 +384,14 @@ def regenerate(
     enable_thinking: bool | None = None,
     retry_errors: bool = False,
     progress: bool = True,
+    prompt_fits: Callable[[list[Message]], bool] | None = None,
 ) -> RegenSummary:
     """Regenerate `conversations` into `out_path` (JSONL, resumable); see the module doc.
 
     `batch_size` conversations advance together, one turn index per backend call (for the openai
     backend it bounds the requests in flight together with the backend's `concurrency`).
-    `enable_thinking` None falls back to the backend's own `enable_thinking`.
+    `enable_thinking` None falls back to the backend's own `enable_thinking`. `prompt_fits(prompt)` False:
+    no room for a whole reply after that prompt (the prep's max_length); nothing is sent for it.
     """
     from tqdm import tqdm
 
@@ -433,8 +438,10 @@ def regenerate(
             turn = 0
             while active := [w for w in batch if w.status == "ok" and turn < len(w.todo)]:
                 prompts = [w.done + w.todo[turn] for w in active]
-                for w, prompt, r in zip(active, prompts, backend.generate(prompts, params)):
-                    _apply(w, prompt, r, summary)
+                fits = [prompt_fits is None or prompt_fits(p) for p in prompts]
+                sent = iter(backend.generate([p for p, ok in zip(prompts, fits) if ok], params) if any(fits) else [])
+                for w, prompt, ok in zip(active, prompts, fits):
+                    _apply(w, prompt, next(sent) if ok else Reply(skip=CONTEXT_FULL), summary)
                 turn += 1
                 for w in active:
                     if w.status != "ok" or turn >= len(w.todo):

@@ -382,3 +382,32 @@ def test_hf_thinking_flag_reaches_the_template(tiny_model, tmp_path: Path) -> No
     off, on = (call[0] for call in be.model.calls)
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert on.endswith("<|im_start|>assistant\n")
+
+
+def test_a_turn_without_room_ends_the_conversation_before_it(tmp_path: Path) -> None:
+    """prompt_fits False: nothing is sent for that prompt; the turns before it are kept (ok, ended early) and a
+    first turn without room skips the conversation. Sending it instead made a server whose context is the
+    prep's max_length refuse it (HTTP 400), and the whole conversation was lost as an error."""
+    from data_prep.regenerate import CONTEXT_FULL, Reply
+
+    sent: list[str] = []
+
+    class Recording(ScriptedBackend):
+        def generate(self, prompts, params):
+            sent.extend(p[-1].content for p in prompts)
+            return super().generate(prompts, params)
+
+    be = Recording({u: Reply(content=u.upper()) for u in ("a1", "a2", "a3", "b1")})
+    convs = [oa_conv("a", "a1", "a2", "a3"), oa_conv("b", "b1"), oa_conv("c", "c1 long")]
+
+    def fits(prompt: list[Message]) -> bool:  # a1 (1 message) and a2 (3) fit, a3 (5) does not
+        return len(prompt) < 4 and "long" not in prompt[-1].content
+
+    s = regenerate(convs, be, tmp_path / "f.jsonl", max_new_tokens=4, batch_size=3, progress=False, prompt_fits=fits)
+    assert sent == ["a1", "b1", "a2"]
+    res = read_results(tmp_path / "f.jsonl")
+    assert res["a"]["status"] == "ok" and res["a"]["reason"] == f"ended early: {CONTEXT_FULL}"
+    assert [m["content"] for m in res["a"]["messages"]] == ["a1", "A1", "a2", "A2"]
+    assert res["b"]["status"] == "ok" and res["b"]["reason"] == ""
+    assert res["c"]["status"] == "skipped" and res["c"]["reason"] == CONTEXT_FULL
+    assert (s.ok, s.skipped, s.error, s.generated_turns) == (2, 1, 0, 3)
