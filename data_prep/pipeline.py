@@ -44,7 +44,7 @@ from tqdm import tqdm
 from data_prep.capture import HiddenStateCapture, capture_samples
 from data_prep.chat import Dropped, render_conversation, render_prompt, template_hash
 from data_prep.config import PrepConfig
-from data_prep.conversations import Conversation, SkipReport, load_conversations, split_conversations
+from data_prep.conversations import Conversation, Message, SkipReport, load_conversations, split_conversations
 from data_prep.fidelity import check_fidelity, probe_batch
 from data_prep.rendered import (
     RENDERED_DIR,
@@ -138,11 +138,11 @@ def dataset_token_counts(cfg: PrepConfig, tokenizer, convs: list[Conversation], 
     return counts
 
 
-def prompt_tokens(tokenizer, messages, kwargs: dict) -> int:
+def prompt_tokens(tokenizer, messages: list[Message], kwargs: dict) -> int:
     return len(render_prompt(tokenizer, messages, template_kwargs=kwargs))
 
 
-def first_prompt(conv: Conversation) -> list:
+def first_prompt(conv: Conversation) -> list[Message]:
     return conv.messages[: next(i for i, m in enumerate(conv.messages) if m.role == "assistant")]
 
 
