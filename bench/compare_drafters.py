@@ -329,11 +329,12 @@ def main(argv: list[str] | None = None) -> dict:
             overrides += [f"train.max_steps={equal_wall_steps(args, name, overrides, exp, budget_s)}",
                           "train.epochs=10000"]
         summary = train(args, name, overrides, exp)
+        train_s = max(train_seconds(Path(args.out) / name).values())
         if name == reference:
-            budget_s = max(train_seconds(Path(args.out) / name).values())
+            budget_s = train_s
         ev = summary.get("eval") or {}
         results[name] = {"exp": exp, "overrides": overrides, "train_wall_s": summary.get("wall_s"),
-                         "train_s": max(train_seconds(Path(args.out) / name).values()), "steps": summary.get("steps"),
+                         "train_s": train_s, "steps": summary.get("steps"),
                          "sim_tau": ev.get("sim_tau"), "acc_k": ev.get("acc_k"), "alpha_k": ev.get("alpha_k"),
                          "oov_rate": ev.get("oov_rate"), "eval_history": eval_history(Path(args.out) / name),
                          "decode": {}}

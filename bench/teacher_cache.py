@@ -3,9 +3,9 @@
     python bench/teacher_cache.py --prep outputs/prep/smollm2-135m-instruct [--epochs 2] [--cache-mb 4096]
         [--threads 2] [--train-args "..."] [--out bench/results/teacher_cache.json]
 
-The demo recipe (`+exp=eagle3_demo`, `online_vs_offline.run_demo_recipe`) runs in this process twice, without and with the cache, on the same seed and so
-the same global batches in the same order, for --epochs epochs (no evaluation, checkpoint or export). A step's time
-is metrics.jsonl's tokens / tokens_per_s (data loading included). Epoch 0 fills the cache (every row a miss, so it
+The demo recipe (`+exp=eagle3_demo`, `online_vs_offline.run_demo_recipe`) runs in this process twice, without and
+with the cache, on the same seed and so the same global batches in the same order, for --epochs epochs (no
+evaluation, checkpoint or export). A step's time is metrics.jsonl's tokens / tokens_per_s (data loading included). Epoch 0 fills the cache (every row a miss, so it
 costs what the uncached step does plus the copy); from epoch 1 on every row is a hit and the full-vocabulary teacher
 matmul is skipped. Reported per epoch: the median step time of each setting and the median of the per-step ratios
 (cached / uncached, the same batch on both sides), the whole run's training time ratio, and the largest difference
