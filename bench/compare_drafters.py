@@ -18,7 +18,9 @@ Suites (variants = Hydra overrides on top of `+exp=<suite's exp>`, which fixes d
 - scaling: one recipe on nested subsets of one large prep's training split (`--points`, data.train_samples),
   the budget scaled by the rule "the same number of epochs" (steps proportional to the data); adds
   <out>/scaling.{json,png}: held-out sim τ and online τ against the number of training conversations with
-  a log-linear fit τ = a + b·ln(n) and the n it extrapolates to for τ = 2 and τ = 3.
+  a log-linear fit τ = a + b·ln(n) and the n it extrapolates to for τ = 2 and τ = 3. `--previous` folds the
+  points of an earlier run of the suite (its compare.json, another prep of the same data and held-out split)
+  into the record and the fits, each point naming the prep it was trained on.
 Per variant: train (torchrun, `--nproc` processes, DeepSpeed as configured) -> the run's export -> launch/eval.py
 for every decoding mode x temperature (MT-bench prompts the training never saw; plain decoding of the same
 prompts in the same run gives the speedup). Every stage is skipped when its output exists, so an interrupted
@@ -105,6 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-args", default="", help="extra overrides for every launch/eval.py run")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the eval runs")
     p.add_argument("--points", default="100,200,400,800,1600", help="scaling suite: training conversations")
+    p.add_argument("--previous", default=None,
+                   help="an earlier compare.json of the same suite: its variants not re-run here are kept")
     return p.parse_args(argv)
 
 
@@ -310,6 +314,9 @@ def scaling_report(results: dict, out: Path) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     suite = SUITES[args.suite]
+    earlier = json.loads(Path(args.previous).read_text()) if args.previous else {"suite": args.suite, "results": {}}
+    if earlier["suite"] != args.suite:
+        raise SystemExit(f"--previous {args.previous}: suite {earlier['suite']!r}, not {args.suite!r}")
     variants = suite["variants"]
     if args.suite == "scaling":
         variants = {f"n{n}": [f"data.train_samples={n}"] for n in map(int, args.points.split(","))}
@@ -333,7 +340,8 @@ def main(argv: list[str] | None = None) -> dict:
         if name == reference:
             budget_s = train_s
         ev = summary.get("eval") or {}
-        results[name] = {"exp": exp, "overrides": overrides, "train_wall_s": summary.get("wall_s"),
+        results[name] = {"prep": str(args.prep), "exp": exp, "overrides": overrides,
+                         "train_wall_s": summary.get("wall_s"),
                          "train_s": train_s, "steps": summary.get("steps"),
                          "sim_tau": ev.get("sim_tau"), "acc_k": ev.get("acc_k"), "alpha_k": ev.get("alpha_k"),
                          "oov_rate": ev.get("oov_rate"), "eval_history": eval_history(Path(args.out) / name),
@@ -344,6 +352,8 @@ def main(argv: list[str] | None = None) -> dict:
                 keep = ("tau_pooled", "tau_per_request_mean", "per_position_acceptance", "speedup", "tokens_per_s",
                         "num_prompts", "outputs_identical_to_baseline", "oov_rate")
                 results[name]["decode"][f"{mode} T={temperature:g}"] = {k: rep.get(k) for k in keep}
+    for name, result in earlier["results"].items():
+        results.setdefault(name, {"prep": earlier["prep"], **result})
     record = {"suite": args.suite, "prep": str(args.prep), "nproc": args.nproc, "train_args": args.train_args,
               "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "results": results}
     (out / "compare.json").write_text(json.dumps(record, indent=1) + "\n")

@@ -4,12 +4,14 @@ process group is reused across jobs, and rank 0 writes the sweep summary (Markdo
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from synthetic_prep import write_synthetic_prep
 
 from train.sweep import markdown
@@ -104,3 +106,33 @@ def test_equal_wall_suites_run_their_budget_variant_first() -> None:
     assert {"dflash", "depth", "cost"} <= set(suites)
     for name, suite in suites.items():
         assert next(iter(suite["variants"])) == suite["equal_wall"], name
+
+
+def test_scaling_folds_in_an_earlier_runs_points(tmp_path: Path) -> None:
+    """--previous keeps the points of an earlier scaling run (another prep) beside the ones measured now, each
+    naming its prep, and fits all of them; a point measured now replaces the earlier one of the same name."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import compare_drafters as cd
+
+    run = tmp_path / "out" / "n400"  # a finished run: main() trains nothing
+    run.mkdir(parents=True)
+    rows = [{"kind": "train", "step": 1, "time": 1.0, "tokens": 10}, {"kind": "train", "step": 2, "time": 3.0},
+            {"kind": "eval", "step": 2, "time": 4.0, "sim_tau": 1.4, "acc_k": [0.3]}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "summary.json").write_text(json.dumps({"finished": True, "steps": 2, "eval": {"sim_tau": 1.4}}))
+    earlier = {"n100": 1.2, "n200": 1.3, "n400": 9.9}
+    previous = tmp_path / "earlier.json"
+    previous.write_text(json.dumps({"suite": "scaling", "prep": "/old/prep", "results": {
+        name: {"sim_tau": tau, "acc_k": [0.1], "eval_history": [], "decode": {}} for name, tau in earlier.items()}}))
+    record = cd.main(["--suite", "scaling", "--prep", str(tmp_path / "new_prep"), "--out", str(tmp_path / "out"),
+                      "--points", "400", "--modes", "", "--previous", str(previous)])
+    results = record["results"]
+    assert {name: r["sim_tau"] for name, r in results.items()} == {"n400": 1.4, "n100": 1.2, "n200": 1.3}
+    assert {name: r["prep"] for name, r in results.items()} == {
+        "n400": str(tmp_path / "new_prep"), "n100": "/old/prep", "n200": "/old/prep"}
+    fit = record["scaling"]["held-out sim τ"]
+    assert fit["points"] == [(100, 1.2), (200, 1.3), (400, 1.4)]
+    assert abs(fit["fit"]["b"] - 0.1 / math.log(2)) < 1e-9
+    with pytest.raises(SystemExit, match="suite 'scaling', not 'depth'"):
+        cd.main(["--suite", "depth", "--prep", str(tmp_path), "--out", str(tmp_path / "out"),
+                 "--previous", str(previous)])  # refused before anything trains
