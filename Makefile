@@ -106,11 +106,11 @@ $(VLLM_VENV)/bin/python:
 
 # Opt-in: the public SpecForge package's own EAGLE-3 drafter and loss (its own venv, OUTSIDE the repo) trained
 # on the same prep, global batches, schedule and step count as `make train EXP=$(PEER_EXP)`, exported in our
-# layout and scored by our held-out eval beside our run in RUN_DIR. Demo prep: 84 steps, ~20-30 min at 1 thread.
+# layout and scored by our held-out eval beside our run in RUN_DIR. Demo recipe: 258 steps, ~20-25 min at 1 thread.
 SPECFORGE_VENV ?= $(abspath ..)/venv-specforge
 PEER_EXP ?= eagle3_demo
 PEER_DIR ?= $(OUT)/runs/peer_specforge
-PEER_ARGS ?= --save-every 21
+PEER_ARGS ?= --save-every 43
 bench-peer: setup $(SPECFORGE_VENV)/bin/python
 	$(SPECFORGE_VENV)/bin/python bench/peer_specforge.py train --prep $(PREP_DIR) --out $(PEER_DIR) --exp $(PEER_EXP) \
 		$(PEER_ARGS)

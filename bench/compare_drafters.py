@@ -99,7 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--variants", default=None, help="comma-separated subset of the suite's variants")
     p.add_argument("--nproc", type=int, default=2, help="training processes (torchrun)")
-    p.add_argument("--train-args", default="", help="extra Hydra overrides for every training run")
+    p.add_argument("--train-args", default="",
+                   help="extra Hydra overrides for every training run; a variant's own overrides win over them")
     p.add_argument("--modes", default="tree,chain", help="decoding modes evaluated online ('' = none)")
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--num-prompts", type=int, default=10)
@@ -171,8 +172,9 @@ def train(args: argparse.Namespace, name: str, overrides: list[str], exp: str) -
         prep = str(Path(args.prep).resolve())
         overrides = [o.format(prep=prep) for o in overrides]
         data = [] if any(o.startswith("data.dir=") for o in overrides) else [f"data.dir={prep}"]
+        # the variant's own overrides last: they win over the suite-wide --train-args (Hydra keeps the last)
         cmd = [torchrun, "--standalone", "--nproc_per_node", str(args.nproc), "launch/train.py", f"+exp={exp}",
-               *data, f"out_dir={run_dir.resolve()}", *overrides, *args.train_args.split()]
+               *data, f"out_dir={run_dir.resolve()}", *args.train_args.split(), *overrides]
         print(f"[{name}] train: {' '.join(cmd)}", flush=True)
         _run(cmd, run_dir / "bench_train.log")
     return json.loads(summary.read_text())

@@ -6,7 +6,7 @@ Two halves, two interpreters (SpecForge pins its own dependencies, so it never e
 
     # 1. train: a venv with specforge==0.2.0 (outside the repo; see README "SpecForge on the same data")
     /work/venv-specforge/bin/python bench/peer_specforge.py train --prep <prep> --out <peer dir> \
-        --exp eagle3_demo --save-every 21 [--steps N] [--threads 1]
+        --exp eagle3_demo --save-every 43 [--steps N] [--threads 1]
     # 2. eval: our .venv; every export of the peer run (and optionally our run's evals beside it)
     .venv/bin/python bench/peer_specforge.py eval --prep <prep> --peer <peer dir> --exp eagle3_demo \
         [--ours <our run dir>] [--drafter label=<export dir> ...]

@@ -136,3 +136,25 @@ def test_scaling_folds_in_an_earlier_runs_points(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="suite 'scaling', not 'depth'"):
         cd.main(["--suite", "depth", "--prep", str(tmp_path), "--out", str(tmp_path / "out"),
                  "--previous", str(previous)])  # refused before anything trains
+
+
+def test_a_variants_own_overrides_win_over_the_suite_wide_train_args(tmp_path: Path, monkeypatch) -> None:
+    """--train-args pins a recipe for every variant, yet EAGLE-1's own lr and each variant's K must survive it:
+    Hydra keeps the last value of a key, so the variant's overrides come after --train-args."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import compare_drafters as cd
+
+    seen: list[list[str]] = []
+
+    def fake_run(cmd: list[str], log: Path) -> None:
+        seen.append(cmd)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        (log.parent / "summary.json").write_text(json.dumps({"finished": True}))
+
+    monkeypatch.setattr(cd, "_run", fake_run)
+    args = cd.parse_args(["--suite", "quality", "--prep", str(tmp_path), "--out", str(tmp_path / "out"),
+                          "--train-args", "train.lr=2e-3 train.ttt_steps=7"])
+    cd.train(args, "eagle1", cd.SUITES["quality"]["variants"]["eagle1"], "quality")
+    cmd = seen[0]
+    last = {k: v for k, v in (a.split("=", 1) for a in cmd if "=" in a)}
+    assert last["train.lr"] == "5e-4" and last["train.ttt_steps"] == "1" and last["model"] == "eagle1"
