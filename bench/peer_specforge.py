@@ -363,8 +363,9 @@ def check_export(draft: Any, export_dir: Path, head: Any, sample: Any, columns: 
     peer = copy.deepcopy(draft).to(torch.bfloat16).float()
     peer.embed_tokens.weight.copy_(head.embed_tokens.weight)  # not exported: both sides take the target's
     # The bf16 cast also rounded the rotary frequencies and their cos/sin cache (buffers, not exported: our
-    # loader computes them exactly, as SpecForge's trained model had them); a rounded frequency is off by up
-    # to pos x 2^-8 radians, ~1% of the logits at 240 tokens. Restore them, then rebuild the cache.
+    # loader computes them exactly, as SpecForge's trained model had them); a frequency f rounded to bf16 turns
+    # position p by up to p·f·2^-9 radians off, 1-2% of the logits on a 238-token probe. Restore them, then
+    # rebuild the cache.
     rope = peer.midlayer.self_attn.rotary_emb
     rope.inv_freq.copy_(draft.midlayer.self_attn.rotary_emb.inv_freq)
     rope._set_cos_sin_cache(seq_len=rope.max_seq_len_cached, device=rope.inv_freq.device, dtype=torch.float32)
