@@ -7,17 +7,17 @@ Writes <out_dir>/report.json (τ pooled and per request, α_n, tokens/s, speedup
 Schema: eval/config.py (EvalConfig); decoding: eval/spec_decode.py.
 """
 
-import hydra
 from omegaconf import OmegaConf
 
 from launch.paths import CONF_DIR
 from eval.config import EvalConfig, register_configs
 from eval.run import format_summary, run_eval
+from launch.errors import hydra_main
 
 register_configs()
 
 
-@hydra.main(config_path=str(CONF_DIR / "eval"), config_name="eval", version_base="1.3")
+@hydra_main(config_path=str(CONF_DIR / "eval"), config_name="eval")
 def main(raw) -> None:
     cfg: EvalConfig = OmegaConf.to_object(raw)
     report = run_eval(cfg)

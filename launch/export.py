@@ -6,17 +6,17 @@
 The result loads with its family's load_export (models/registry.py) and, for EAGLE-3, in vLLM/SGLang as LlamaForCausalLMEagle3.
 """
 
-import hydra
 from omegaconf import OmegaConf
 
 from launch.paths import CONF_DIR
+from launch.errors import hydra_main
 from train.config import ExportConfig, register_configs
 from train.export import export_checkpoint
 
 register_configs()
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="export", version_base="1.3")
+@hydra_main(config_path=str(CONF_DIR), config_name="export")
 def main(raw) -> None:
     cfg: ExportConfig = OmegaConf.to_object(raw)
     out = export_checkpoint(cfg.checkpoint, cfg.out, cfg.max_position_embeddings)

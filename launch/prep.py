@@ -6,17 +6,17 @@
 See data_prep/pipeline.py for the output layout and data_prep/shards.py for the shard format.
 """
 
-import hydra
 from hydra.core.config_store import ConfigStore
 
 from launch.paths import CONF_DIR
 from data_prep.config import ConfigError, PrepConfig, prep_config
 from data_prep.pipeline import run
+from launch.errors import hydra_main
 
 ConfigStore.instance().store(name="prep_schema", node=PrepConfig)
 
 
-@hydra.main(config_path=str(CONF_DIR / "prep"), config_name="prep", version_base="1.3")
+@hydra_main(config_path=str(CONF_DIR / "prep"), config_name="prep")
 def main(raw) -> None:
     try:
         cfg = prep_config(raw)

@@ -26,10 +26,10 @@ filesystem every node sees (rank 0 writes checkpoints; every rank reads them on 
 import os
 import sys
 
-import hydra
 from hydra.core.hydra_config import HydraConfig
 
 from launch.paths import CONF_DIR
+from launch.errors import hydra_main
 from train.config import ConfigError, RunConfig, register_configs
 from train.engine import shutdown_distributed
 from train.trainer import run
@@ -37,7 +37,7 @@ from train.trainer import run
 register_configs()
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
+@hydra_main(config_path=str(CONF_DIR), config_name="train")
 def main(raw) -> None:
     try:
         cfg = RunConfig.from_omegaconf(raw).validate(world_size=int(os.environ.get("WORLD_SIZE", "1")))

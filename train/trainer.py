@@ -201,6 +201,9 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
         log.warning("%s was prepared without a held-out split (eval_samples=0): this run trains without "
                     "evaluation (summary.json eval: null)", prep)
     steps_total = total_steps(cfg, train_data.batches_per_epoch)
+    if rank == 0 and t.warmup(steps_total) >= steps_total:  # the lr never leaves its warmup ramp
+        log.warning("the lr warmup (%d optimizer steps) is not shorter than the run (%d steps): the lr never reaches "
+                    "train.lr; lower train.warmup_steps or set train.warmup_ratio", t.warmup(steps_total), steps_total)
     latest = checkpoint.latest(run_dir / "checkpoints") if t.resume else None
     ckpt = checkpoint.load(latest) if latest is not None else None
     if t.resume and ckpt is None:
