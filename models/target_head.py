@@ -2,8 +2,9 @@
 
 Target next-token distribution at j = softmax(head.logits(teacher_hidden[j])) (the shard contract).
 File layout (`<prep>/target_head.safetensors`): embed_tokens.weight [V, H], norm.weight [H] (and any other
-tensor of the target's norm), lm_head.weight [V, H], and in the safetensors metadata what differs between
-target families (`HeadSpec`, format 2):
+tensor of the target's norm), lm_head.weight [V, H] (not stored when the target ties it to the embedding: the
+metadata then says `tied_lm_head`), header keys sorted (the same head, the same bytes), and in the safetensors
+metadata what differs between target families (`HeadSpec`, format 2):
 
 - the final norm is the target's own transformers class, recorded by its path: Llama's x·w (cast before
   scaling), Gemma's x·(1 + w) in fp32, gpt-oss's (w·x) in fp32, ... — rebuilt, never re-implemented;
@@ -20,13 +21,14 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import Tensor, nn
 
 from models.layers import RMSNorm
@@ -37,6 +39,8 @@ KEYS = (EMBED_KEY, NORM_KEY, LM_HEAD_KEY)
 # What a drafter that reuses the target's LM head (EAGLE-1, DFlash) holds frozen of it.
 EMBED_AND_LM_HEAD = (EMBED_KEY, LM_HEAD_KEY)
 FORMAT = 2
+# Metadata of a head whose LM head is its embedding: lm_head.weight is not stored (files before it store both).
+TIED_KEY = "tied_lm_head"
 # Norm classes are imported by the path a prep file names; only from these packages, so that a data file
 # can never make the loader import arbitrary code.
 NORM_PACKAGES = ("transformers.",)
@@ -195,9 +199,11 @@ class TargetHead(nn.Module):
         return norm(probe)[0]
 
     @classmethod
-    def _from_tensors(cls, t: dict[str, Tensor], cfg: dict[str, Any], spec: HeadSpec | None = None) -> TargetHead:
+    def _from_tensors(cls, t: dict[str, Tensor], cfg: dict[str, Any], spec: HeadSpec | None = None,
+                      tied: bool = False) -> TargetHead:
+        """tied: the LM head is the embedding whatever the config says (a file that stores it once says so)."""
         cfg = cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
-        tied = bool(cfg.get("tie_word_embeddings", False))
+        tied = tied or bool(cfg.get("tie_word_embeddings", False))
         if "lm_head.weight" not in t and tied:
             t = {**t, "lm_head.weight": t["embed_tokens.weight"]}
         missing = [k for k in KEYS if k not in t]
@@ -226,9 +232,11 @@ class TargetHead(nn.Module):
     ) -> TargetHead:
         """dtype None keeps the stored dtype."""
         with safe_open(str(path), framework="pt") as f:
-            spec = HeadSpec.from_metadata(f.metadata())
+            meta = f.metadata()
+            spec = HeadSpec.from_metadata(meta)
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no items()
-        head = cls._from_tensors(tensors, target_config, spec)
+        tied = (meta or {}).get(TIED_KEY) == "true" and LM_HEAD_KEY not in tensors  # stored once
+        head = cls._from_tensors(tensors, target_config, spec, tied=tied)
         return head if dtype is None else head.to(dtype)
 
     @classmethod
@@ -244,6 +252,22 @@ class TargetHead(nn.Module):
         return cls._from_tensors({k: v.detach() for k, v in t.items()}, cfg, spec)
 
     def save(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
-        """Every tensor (a tied lm_head as its own copy: safetensors refuses shared storage), `dtype` None: as held."""
-        t = {k: v.detach().to("cpu", dtype or v.dtype).contiguous().clone() for k, v in self.state_dict().items()}
-        save_file(t, str(path), metadata=self.spec.to_metadata())
+        """Every tensor once, `dtype` None: as held. A tied LM head is the embedding (stored once; the metadata
+        says `tied_lm_head`), and the header's keys are sorted, so that one head always gives the same bytes (the
+        prep summary's sha256): safetensors writes its metadata in a hash map's order, different per process."""
+        state = self.state_dict()
+        meta = self.spec.to_metadata()
+        if self.tied:
+            del state[LM_HEAD_KEY]
+            meta[TIED_KEY] = "true"
+        t = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in state.items()}
+        Path(path).write_bytes(canonical_safetensors(save(t, metadata=meta)))
+
+
+def canonical_safetensors(data: bytes) -> bytes:
+    """A safetensors file's bytes with its JSON header in sorted key order (the tensors' bytes as they are: the
+    data offsets are relative to the end of the header)."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.dumps(json.loads(data[8:8 + n]), sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # the 8-byte alignment safetensors pads its header to, with spaces
+    return len(header).to_bytes(8, "little") + header + data[8 + n:]

@@ -104,3 +104,43 @@ def test_a_file_cannot_name_any_class_or_a_newer_format() -> None:
         HeadSpec(family="x", norm_class="transformers.models.llama.modeling_llama:NoSuchNorm").build_norm(8, 1e-6)
     with pytest.raises(ValueError, match="newer than this code"):
         HeadSpec.from_metadata({"format": str(FORMAT + 1)})
+
+
+def test_a_tied_head_is_stored_once_and_the_same_head_gives_the_same_bytes(tmp_path, gemma3) -> None:
+    """Gemma ties its LM head to the embedding: one [V, H] table on disk, loaded back tied; the header is written
+    in one key order, so two saves (two processes, as two identical preps) have one sha256."""
+    import hashlib
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    head = TargetHead.from_hf_model(gemma3)
+    assert head.tied
+    path = tmp_path / "head.safetensors"
+    head.save(path, dtype=torch.float32)
+    with safe_open(str(path), framework="pt") as f:
+        assert sorted(f.keys()) == ["embed_tokens.weight", "norm.weight"] and f.metadata()["tied_lm_head"] == "true"
+    assert path.stat().st_size < 97 * 48 * 4 * 2  # one table, not two
+    again = TargetHead.from_file(path, gemma3.config.to_dict())
+    assert again.tied and again.lm_head.weight is again.embed_tokens.weight
+    h, logits = _pre_norm(gemma3, torch.arange(30)[None] % 97)
+    assert torch.equal(again.logits(h), logits)
+    # a file from before, with both copies, still loads tied
+    old = tmp_path / "old.safetensors"
+    save_file({k: v.contiguous().clone() for k, v in head.state_dict().items()}, str(old), metadata=head.spec.to_metadata())
+    assert TargetHead.from_file(old, gemma3.config.to_dict()).tied
+    # the same head saved by separate processes (safetensors' metadata order is per process): identical bytes
+    torch.save(head.state_dict(), tmp_path / "state.pt")
+    script = ("import sys, torch; from models.target_head import TargetHead, HeadSpec; "
+              "import json; "
+              "h = TargetHead(48, 97, 1e-6, tie_word_embeddings=True, spec=HeadSpec(**json.loads(sys.argv[2]))); "
+              "h.load_state_dict(torch.load(sys.argv[1] + '/state.pt')); h.save(sys.argv[1] + '/' + sys.argv[3])")
+    for name in ("a.safetensors", "b.safetensors", "c.safetensors"):
+        subprocess.run([sys.executable, "-c", script, str(tmp_path), json.dumps(head.spec.__dict__), name], check=True,
+                       cwd=Path(__file__).resolve().parents[1])
+    digests = {hashlib.sha256((tmp_path / n).read_bytes()).hexdigest() for n in ("a.safetensors", "b.safetensors",
+                                                                                  "c.safetensors")}
+    assert len(digests) == 1
