@@ -45,6 +45,7 @@ from data_prep.capture import HiddenStateCapture, capture_samples
 from data_prep.chat import Dropped, render_conversation, render_prompt, template_hash
 from data_prep.config import PrepConfig
 from data_prep.conversations import Conversation, Message, SkipReport, load_conversations, split_conversations
+from data_prep.dirlock import claim
 from data_prep.fidelity import check_fidelity, probe_batch
 from data_prep.rendered import (
     RENDERED_DIR,
@@ -417,6 +418,7 @@ def run(cfg: PrepConfig) -> dict | None:
     rank, world = _world()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    _lock = claim(out, "prep", rank, world)  # one writer per prep dir, held until this returns (data_prep/dirlock.py)
     preset = resolve_target(cfg.model)
     cfg = with_preset_defaults(cfg, preset)
     device = _device(cfg)

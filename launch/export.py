@@ -2,6 +2,7 @@
 
     python launch/export.py checkpoint=outputs/run/checkpoints/step_001000 out=outputs/export_1000
     python launch/export.py checkpoint=outputs/run out=outputs/export   # the run's latest checkpoint
+    python launch/export.py checkpoint=outputs/run/checkpoints/latest out=outputs/export   # the same (make export)
 
 The result loads with its family's load_export (models/registry.py) and, for EAGLE-3, in vLLM/SGLang as LlamaForCausalLMEagle3.
 """

@@ -12,6 +12,10 @@
 Rank 0 writes everything into a temp directory and renames it into place, then replaces `latest`:
 a crash leaves either the previous checkpoint or the new one, never a torn one. The frozen target
 embedding is not stored (it comes from the prep dir's target_head.safetensors).
+
+`latest` is the only way to "the newest checkpoint": it resolves to exactly the directory it names (a bare
+step_* name beside it; `..`, a path or a missing directory is an error), never to whichever step_* sorts last.
+Rotation keeps the checkpoint just written and the newest others by step number.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +36,7 @@ from torch import Tensor
 from data_prep.shards import writing
 
 LATEST = "latest"
+STEP_DIR = re.compile(r"step_(\d+)")  # step_dir_name's form
 CHECKPOINT_WEIGHTS = "model.safetensors"  # params/ and buffers/ of the drafter, by name
 DRAFTER_CONFIG = "drafter_config.json"  # the drafter's config, so an export needs nothing else
 
@@ -42,7 +48,7 @@ class Checkpoint:
     buffers: dict[str, Tensor]
     moments: dict[str, dict[str, Tensor]]
     state: dict  # state.json
-    rng: dict
+    rng: dict | None  # None when loaded without the optimizer state (an export)
     drafter_config: dict
 
     def engine_state(self) -> dict:
@@ -116,39 +122,63 @@ def save(
         shutil.rmtree(final)
     os.replace(tmp, final)
     _write_latest(root, final.name)
-    _rotate(root, keep)
+    _rotate(root, keep, final)
     return final
 
 
+class CheckpointError(FileNotFoundError):
+    """A checkpoint path or `latest` pointer that names no complete checkpoint."""
+
+
 def latest(root: Path) -> Path | None:
-    """The newest complete checkpoint under `root` (a checkpoints/ dir), or None."""
-    pointer = root / LATEST
-    if pointer.exists():
-        path = root / pointer.read_text().strip()
-        if path.is_dir():
-            return path
-    done = sorted(p for p in root.glob("step_*") if (p / "state.json").exists()) if root.is_dir() else []
-    return done[-1] if done else None
+    """The checkpoint `root/latest` names (root: a checkpoints/ dir); None when there is no pointer and no step_*
+    dir (nothing saved yet). Raises CheckpointError for a pointer that names anything but a complete step_* dir
+    beside it, and for step_* dirs without a pointer (which of them is this run's newest is then unknown)."""
+    pointer = Path(root) / LATEST
+    if pointer.is_file():
+        return follow(pointer)
+    steps = sorted(p.name for p in Path(root).glob("step_*")) if Path(root).is_dir() else []
+    if steps:
+        raise CheckpointError(f"{root}: {', '.join(steps)} but no `{LATEST}` pointer naming the newest complete "
+                              f"checkpoint; pass a checkpoint dir itself, or write its name into {pointer}")
+    return None
+
+
+def follow(pointer: Path) -> Path:
+    """The checkpoint dir a `latest` file names: a bare step_* name in the same directory, complete (state.json)."""
+    name = pointer.read_text().strip()
+    if not STEP_DIR.fullmatch(name):
+        raise CheckpointError(f"{pointer}: names {name!r}, not a step_* directory beside it (a path, `..` or an "
+                              "absolute name is refused)")
+    path = pointer.parent / name
+    if not (path / "state.json").is_file():
+        raise CheckpointError(f"{pointer}: names {name}, but {path} is missing or incomplete (no state.json)")
+    return path
 
 
 def resolve(path: Path) -> Path:
-    """A checkpoint dir, or a checkpoints/ dir or run dir -> its latest checkpoint."""
+    """A checkpoint dir itself, a `latest` file (-> what it names), or a checkpoints/ dir or run dir (-> what its
+    `latest` names)."""
     path = Path(path)
-    if (path / "state.json").exists():
+    if (path / "state.json").is_file():
         return path
+    if path.is_file() and path.name == LATEST:
+        return follow(path)
     for root in (path, path / "checkpoints"):
         found = latest(root)
         if found is not None:
             return found
-    raise FileNotFoundError(f"{path}: no checkpoint (expected state.json, a `latest` pointer or step_* dirs)")
+    raise CheckpointError(f"{path}: no checkpoint (expected a checkpoint dir with state.json, a `{LATEST}` file, "
+                          f"or a run or checkpoints/ dir holding one)")
 
 
-def load(path: Path) -> Checkpoint:
+def load(path: Path, optimizer: bool = True) -> Checkpoint:
+    """The checkpoint at `path` (see `resolve`). optimizer=False (an export): the weights, buffers, config and
+    state only; optimizer.safetensors and rng.pt are neither read nor needed."""
     path = resolve(path)
     model = load_file(str(path / CHECKPOINT_WEIGHTS))
-    moments_flat = load_file(str(path / "optimizer.safetensors"))
     moments: dict[str, dict[str, Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
-    for k, v in moments_flat.items():
+    for k, v in (load_file(str(path / "optimizer.safetensors")) if optimizer else {}).items():
         key, name = k.split("/", 1)
         moments[key][name] = v
     return Checkpoint(
@@ -157,7 +187,7 @@ def load(path: Path) -> Checkpoint:
         buffers={k.split("/", 1)[1]: v for k, v in model.items() if k.startswith("buffer/")},
         moments=moments,
         state=json.loads((path / "state.json").read_text()),
-        rng=torch.load(path / "rng.pt", weights_only=True),
+        rng=torch.load(path / "rng.pt", weights_only=True) if optimizer else None,
         drafter_config=json.loads((path / DRAFTER_CONFIG).read_text()),
     )
 
@@ -168,10 +198,21 @@ def _write_latest(root: Path, name: str) -> None:
     os.replace(tmp, root / LATEST)
 
 
-def _rotate(root: Path, keep: int) -> None:
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
-    for old in steps[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+def _rotate(root: Path, keep: int, current: Path) -> None:
+    """Keep `current` (just written) and the keep - 1 newest older checkpoints by step number. A step_* dir past
+    `current` is a continuation this run went back from (written after the checkpoint it resumed, before a
+    kill moved `latest` on): superseded, removed."""
+    step = _step(current)
+    older = sorted((p for p in root.glob("step_*") if p.is_dir() and p != current and STEP_DIR.fullmatch(p.name)),
+                   key=_step)
+    kept = [p for p in older if _step(p) < step][-(keep - 1):] if keep > 1 else []
+    for old in older:
+        if old not in kept:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _step(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
 
 
 def _json_default(x):

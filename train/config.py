@@ -173,6 +173,9 @@ class TrainConfig:
     save_interval: int = 1000  # optimizer steps between checkpoints; 0 = only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept (the final one is always kept)
     resume: bool = False  # continue from <out_dir>/checkpoints/latest if it exists
+    # A run dir belongs to one run: a fresh run (resume=false) refuses an out_dir holding another run's files
+    # (checkpoints, metrics, summary, export); overwrite=true removes them first (train/trainer.py RUN_OUTPUTS).
+    overwrite: bool = False
     seed: int = 0
     log_interval: int = 1  # optimizer steps between metrics.jsonl lines
     dflash: DFlashTrainConfig = field(default_factory=DFlashTrainConfig)  # model.method=dflash only
@@ -254,6 +257,9 @@ class RunConfig:
                               "would never learn)")
         if not 0.0 < t.decay_ratio <= 1.0:
             raise ConfigError(f"train.decay_ratio must be in (0, 1], got {t.decay_ratio}")
+        if t.resume and t.overwrite:
+            raise ConfigError("train.resume=true and train.overwrite=true: continue the run in out_dir, or clear it "
+                              "and start a new one, not both")
         if t.feature_noise < 0:
             raise ConfigError(f"train.feature_noise must be >= 0, got {t.feature_noise}")
         _one_of("train.accept_loss", t.accept_loss, ACCEPT_KINDS)
@@ -424,7 +430,7 @@ class ExportConfig:
     """launch/export.py: write a serving export from a training checkpoint (CPU, offline)."""
 
     checkpoint: str = (
-        MISSING  # a checkpoint dir (…/checkpoints/step_000100) or a run's checkpoints/ dir (latest)
+        MISSING  # a checkpoint dir (…/checkpoints/step_000100), a `latest` file, or a run or checkpoints/ dir
     )
     out: str = MISSING
     max_position_embeddings: int | None = None  # None = what the checkpoint recorded

@@ -33,8 +33,9 @@ def export_drafter(
 
 
 def export_checkpoint(path: str | Path, out: str | Path, max_position_embeddings: int | None = None) -> Path:
-    """Export the checkpoint at `path` (a step dir, or a run / checkpoints dir -> its latest)."""
-    ckpt = checkpoint.load(Path(path))
+    """Export the checkpoint at `path` (a step dir, a `latest` file, or a run / checkpoints dir -> what its `latest`
+    names). The optimizer state and RNG files are not read: a checkpoint stripped to its weights exports too."""
+    ckpt = checkpoint.load(Path(path), optimizer=False)
     method = ckpt.state.get("method", "eagle3")
     return export_drafter(ckpt.drafter_config, ckpt.params, ckpt.buffers, out, max_position_embeddings, method)
 

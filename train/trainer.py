@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -25,16 +27,103 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from data_prep.config import ConfigError
+from data_prep.dirlock import LOCK_FILE, DirLock, claim
 from train import checkpoint
 from train.build import load_head
 from train.config import RunConfig
 from train.data import Cursor, ShardBatches, held_out_split
 from train.engine import Engine, init_distributed
-from train.metrics import RUN_SUMMARY, MetricsLogger, memory_stats
+from train.metrics import METRICS_FILE, RUN_SUMMARY, MetricsLogger, memory_stats
 from train.objective import Objective, make_objective
 from train.sequence_parallel import SequenceParallel, owned_tokens
 
 log = logging.getLogger("train")
+
+
+# What a run writes into its directory: train.overwrite=true clears exactly these (and refuses a directory that
+# holds anything else). Not a run's outputs: Hydra's .hydra/, the logs (*.log: train.log, train.rank<N>.log, a
+# bench's log), opened by this launch before training starts, and the lock file. `captured` is train/online.py's
+# CAPTURED_DIR; eval/ and eval_chain/ are where the Makefile evaluates the run's export.
+RUN_OUTPUTS = ("config.yaml", METRICS_FILE, RUN_SUMMARY, "checkpoints", "export", "captured", "wandb", "eval",
+               "eval_chain")
+
+# What decides the sample order (train/data.py: which samples, how they are cut and batched, the seed) or the
+# schedule (its length and shape: train/engine.py), recorded in every checkpoint's state.json ("settings"). A resume
+# that changes one of them would train some samples twice, skip others and bend the lr curve, so it is refused,
+# naming the key. Everything else may change on a resume: the world size and ZeRO stage (checkpoints are
+# portable), the eval, logging and save intervals, keep_checkpoints, stop_after_steps, export, the held-out eval's
+# settings, data.num_workers, data.verify and the logger.
+RESUME_KEYS = (
+    "model.method", "data.dir", "data.source", "data.train_samples", "data.batch_size", "data.max_len",
+    "data.overflow", "data.split_overlap", "data.bucket", "data.bucket_pool", "train.seed", "train.epochs",
+    "train.max_steps", "train.grad_accum", "train.lr", "train.min_lr_ratio", "train.warmup_steps",
+    "train.warmup_ratio", "train.schedule", "train.decay_ratio",
+)
+
+
+class RunDirError(ConfigError):
+    """An out_dir that holds another run's files, or a resume whose settings differ from the checkpoint's."""
+
+
+def resume_settings(cfg: RunConfig) -> dict:
+    """The RESUME_KEYS of `cfg` (data.dir as an absolute path: the same prep however it is spelt)."""
+    out = {}
+    for key in RESUME_KEYS:
+        node = cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        out[key] = str(Path(node).resolve()) if key == "data.dir" else node
+    return out
+
+
+def check_resume(cfg: RunConfig, state: dict, where: Path) -> None:
+    """Refuse resuming the checkpoint at `where` (its state.json: `state`) with other sample-order or schedule
+    settings (RESUME_KEYS), naming each changed key with its old and new value."""
+    saved = state.get("settings")
+    if saved is None:
+        log.warning("%s records no settings (an older checkpoint): the resume's settings are not compared", where)
+        return
+    now = resume_settings(cfg)
+    changed = [f"{k}: {saved[k]!r} -> {now[k]!r}" for k in RESUME_KEYS if k in saved and saved[k] != now[k]]
+    if changed:
+        raise RunDirError(f"train.resume=true from {where} with other settings than the run was started with "
+                          f"({'; '.join(changed)}): they decide the sample order or the schedule, so the resumed "
+                          "run would not continue it. Resume with the run's own values, or start a new run in "
+                          "another out_dir (or with train.overwrite=true)")
+
+
+def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Rank 0, holding the run dir's lock, before anything is written: a fresh run (resume=false) needs a run dir
+    without another run's outputs; overwrite=true clears them first (RUN_OUTPUTS only, never foreign files)."""
+    if resume or not run_dir.is_dir():
+        return
+    found = sorted(p.name for p in run_dir.iterdir()
+                   if p.name not in (".hydra", LOCK_FILE) and not p.name.endswith(".log"))
+    if not found:
+        return
+    if not overwrite:
+        raise RunDirError(f"out_dir {run_dir} holds a previous run's files ({', '.join(found[:8])}"
+                          f"{', ...' if len(found) > 8 else ''}): a run directory belongs to one run. Continue that "
+                          "run with train.resume=true, clear it with train.overwrite=true, or choose another out_dir")
+    foreign = [name for name in found if name not in RUN_OUTPUTS]
+    if foreign:
+        raise RunDirError(f"train.overwrite=true clears only a run's own files, and out_dir {run_dir} also holds "
+                          f"{', '.join(foreign)}: nothing was removed; move them away or choose another out_dir")
+    for name in found:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    log.warning("train.overwrite=true: removed the previous run's %s from %s", ", ".join(found), run_dir)
+
+
+def claim_run_dir(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> DirLock | None:
+    """COLLECTIVE. Rank 0 locks `run_dir` (data_prep/dirlock.py: a second training into it is refused, naming the
+    holder's host and pid) and prepares it (`prepare_run_dir`); every rank raises if either is refused."""
+    return claim(run_dir, "training", rank, world,
+                 check=lambda: prepare_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite))
 
 
 def total_steps(cfg: RunConfig, batches_per_epoch: int) -> int:
@@ -115,7 +204,9 @@ def evaluate(
     return objective.summarize({k: _all_reduce(v.to(engine.device)).cpu() for k, v in sums.items()})
 
 
-def save_checkpoint(engine: Engine, module, run_dir: Path, step: int, cursor: Cursor, cfg: RunConfig) -> None:
+def save_checkpoint(
+    engine: Engine, module, run_dir: Path, step: int, cursor: Cursor, cfg: RunConfig, total: int
+) -> None:
     state = engine.portable_state()  # collective
     if engine.rank == 0:
         meta = {
@@ -125,6 +216,8 @@ def save_checkpoint(engine: Engine, module, run_dir: Path, step: int, cursor: Cu
             "precision": engine.precision,
             "data_dir": cfg.data.dir,
             "method": cfg.model.method,
+            "settings": resume_settings(cfg),  # compared by check_resume
+            "total_steps": total,
         }
         buffers = export_buffers(module, cfg.model.method)
         path = checkpoint.save(
@@ -182,9 +275,21 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
     t0 = time.perf_counter()
     rank, world = init_distributed(cfg.deepspeed.dist_backend, cfg.deepspeed.cpu_shm_comm)
     cfg.validate(world)
+    lock = claim_run_dir(cfg, Path(run_dir), rank, world)  # before anything is read or written
+    try:
+        return _train(cfg, Path(run_dir), rank, world, t0)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float) -> dict:
     sp = SequenceParallel.from_config(cfg)  # collective: every rank creates every group
     data_rank, data_world = sp.data_parallel(rank, world)
-    t, run_dir, prep = cfg.train, Path(run_dir), Path(cfg.data.dir)
+    t, prep = cfg.train, Path(cfg.data.dir)
+    latest = checkpoint.latest(run_dir / "checkpoints") if t.resume else None
+    if latest is not None:  # refused before the data and the target load
+        check_resume(cfg, json.loads((latest / "state.json").read_text()), latest)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
@@ -204,8 +309,10 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
     if rank == 0 and t.warmup(steps_total) >= steps_total:  # the lr never leaves its warmup ramp
         log.warning("the lr warmup (%d optimizer steps) is not shorter than the run (%d steps): the lr never reaches "
                     "train.lr; lower train.warmup_steps or set train.warmup_ratio", t.warmup(steps_total), steps_total)
-    latest = checkpoint.latest(run_dir / "checkpoints") if t.resume else None
     ckpt = checkpoint.load(latest) if latest is not None else None
+    if ckpt is not None and ckpt.state.get("total_steps", steps_total) != steps_total:
+        raise RunDirError(f"train.resume=true from {ckpt.path}: the run has {steps_total} optimizer steps now, "
+                          f"{ckpt.state['total_steps']} when it was saved (the prep's sample count changed?)")
     if t.resume and ckpt is None:
         log.warning("train.resume=true but %s has no checkpoint: starting from scratch", run_dir / "checkpoints")
 
@@ -257,7 +364,7 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
                 engine.train()
                 last_eval = step
             if t.save_interval and step % t.save_interval == 0:
-                save_checkpoint(engine, module, run_dir, step, cursor, cfg)
+                save_checkpoint(engine, module, run_dir, step, cursor, cfg, steps_total)
                 last_saved = step
             window.reset()  # after eval/save, so tokens/s measures training only
             if step >= steps_total or (t.stop_after_steps is not None and step >= t.stop_after_steps):
@@ -266,7 +373,7 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
     finished = step >= steps_total
     train_data.close()  # hybrid: its buffered samples into shards
     if last_saved != step:
-        save_checkpoint(engine, module, run_dir, step, cursor, cfg)
+        save_checkpoint(engine, module, run_dir, step, cursor, cfg, steps_total)
     if finished and eval_data is not None and last_eval != step:
         eval_metrics = evaluate(engine, module, head, eval_data, objective, sp)
         logger.log("eval", step, eval_metrics)

@@ -1,0 +1,106 @@
+"""One writer per output directory: an exclusive lock on `<dir>/.lock`, held by rank 0 of the job that writes it.
+
+Two preps into one directory, or two trainings into one run directory, would interleave their files (the last
+writer's samples under the first one's settings, two metrics streams in one metrics.jsonl). `claim` takes
+`fcntl.flock(LOCK_EX | LOCK_NB)` on the lock file and writes the holder's host and pid into it; a second job is
+refused at once with an error naming them. The kernel drops a flock when its holder's file is closed, which
+includes the holder dying (kill -9 too): a stale lock file never blocks. The file itself stays (removing it would
+let a third job lock a fresh inode while the second still holds the old one).
+
+Only rank 0 locks (an exclusive lock per directory would refuse a job's own other ranks); the other ranks wait for
+its outcome (a broadcast) and stop with it, so nothing is written by a refused job. flock works across the
+machines of a multi-node job where the shared filesystem supports it (NFSv4, Lustre and GPFS with flock enabled).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pickle
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+LOCK_FILE = ".lock"
+
+
+class DirLocked(RuntimeError):
+    """Another live process holds the directory's lock."""
+
+
+class DirLock:
+    """The held lock on one directory; `release()` (or closing the process) frees it."""
+
+    def __init__(self, directory: Path, what: str):
+        self.directory, self.what = Path(directory), what
+        self.path = self.directory / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> DirLock:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DirLocked(f"{self.directory}: another {self.what} writes this directory (held by "
+                            f"{_holder(self.path)}, lock file {self.path}); wait for it to end or stop it, "
+                            "or choose another directory") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"host={socket.gethostname()} pid={os.getpid()}\n".encode())
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+    def __enter__(self) -> DirLock:
+        return self.acquire() if self._fd is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _holder(path: Path) -> str:
+    """The holder's "host=<h> pid=<p>" (it writes the line right after locking: a short retry covers that gap)."""
+    for _ in range(20):
+        text = path.read_text().strip() if path.exists() else ""
+        if text:
+            return text
+        time.sleep(0.05)
+    return "an unknown process"
+
+
+def claim(directory: str | Path, what: str, rank: int = 0, world: int = 1,
+          check: Callable[[], None] | None = None) -> DirLock | None:
+    """Rank 0: lock `directory` for this job, then run `check` (e.g. refuse or clear another run's files) while
+    holding it -> the held lock (keep it until the job ends). A refusal (DirLocked, or what `check` raises) is raised
+    on every rank: with world > 1 (a process group initialised) the others learn it from a broadcast, so a refused
+    job stops on every rank before writing anything."""
+    lock, error = None, None
+    if rank == 0:
+        try:
+            lock = DirLock(Path(directory), what).acquire()
+            if check is not None:
+                check()
+        except Exception as e:  # any failure, so the other ranks stop with it instead of waiting forever
+            if lock is not None:
+                lock.release()
+            lock, error = None, e
+            try:
+                pickle.dumps(error)  # the broadcast pickles it
+            except Exception:
+                error = RuntimeError(f"{type(e).__name__}: {e}")
+    if world > 1:
+        import torch.distributed as dist
+
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise error
+    return lock
