@@ -25,7 +25,7 @@ DEMO_PREP_ARGS ?= max_length=1024
 DEMO_EVAL_ARGS ?= decode.mode=tree decode.temperature=0 decode.num_prompts=10 decode.max_new_tokens=128 \
 	decode.auto_total_tokens=true threads=2
 
-.PHONY: setup prep train export eval demo test lint bench-prep engine-check regen-check bench-eval bench-decode bench-vllm bench-peer clean
+.PHONY: setup prep train plan export eval demo test lint bench-prep engine-check regen-check bench-eval bench-decode bench-vllm bench-peer clean gpu-check gpu-wheels
 
 setup: $(STAMP)
 $(STAMP): pyproject.toml
@@ -45,6 +45,11 @@ prep: setup
 train: setup
 	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) launch/train.py +exp=$(EXP) \
 		data.dir=$(PREP_DIR) out_dir=$(RUN_DIR) $(ARGS)
+
+# Per-device memory of a training run before launch, from the target's config alone (train/plan.py): `ARGS` takes
+# launch/train.py's overrides plus world_size=, context=, device=, device_memory_gb=.
+plan: setup
+	$(BIN)/python launch/plan.py model=$(MODEL) $(ARGS)
 
 export: setup
 	$(BIN)/python launch/export.py checkpoint=$(RUN_DIR)/checkpoints/latest out=$(RUN_DIR)/export $(ARGS)
@@ -124,6 +129,40 @@ $(SPECFORGE_VENV)/bin/python:
 	  $(SPECFORGE_VENV)/bin/pip install -q --no-deps specforge==0.2.0 && \
 	  $(SPECFORGE_VENV)/bin/pip install -q transformers==5.8.1 safetensors huggingface-hub psutil pyyaml \
 	      omegaconf hydra-core tqdm numpy; } || { rm -rf $(SPECFORGE_VENV); exit 1; }  # no half-built venv
+
+# The GPU check (bench/gpu_check.py, docs/gpu-check.md): TTT attention kernels against `reference`, ZeRO-3 over
+# nccl against the CPU fp32 run, lossless greedy decoding, bf16 train-step tokens/s and peak memory at 2K/8K/40K,
+# verify(m)/step; one CUDA GPU, at most 8 minutes (470 s of section budgets). It runs under a plain python3 with
+# torch and transformers: on the device machine, whose python3 lacks DeepSpeed and Hydra, the wheels of
+# `make gpu-wheels` travel with the call. DRY_RUN=1: the same sections on this CPU at tiny sizes (fp32, gloo,
+# the CPU attention backends), JSON in a temporary directory; tests/test_gpu_check.py runs it in `make test`.
+# The one device call (the `run` tool; carry [".whl"], timeout_s 540), after `make gpu-wheels` here:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --out $OUT/gpu_check.json 2>&1 | tee $OUT/gpu_check.log
+GPU_CHECK_ARGS ?=
+gpu-check: $(if $(filter-out 0,$(DRY_RUN)),setup)
+	$(if $(filter-out 0,$(DRY_RUN)),$(BIN)/python,python3) bench/gpu_check.py \
+		$(if $(filter-out 0,$(DRY_RUN)),--dry-run) $(GPU_CHECK_ARGS)
+
+# What the GPU check imports beyond the device machine's torch/transformers 5.17/numpy, at this venv's versions
+# (transformers too: the project calls its models with `cache=`, which 5.17 does not take), as wheels for
+# CPython 3.12 on manylinux x86_64 in .whl/ (~20 MB of the call's 64 MiB). PyPI has only sdists of
+# deepspeed and antlr4-python3-runtime: those are built here as pure-Python wheels (DS_BUILD_OPS=0: no ops).
+GPU_WHEELS := deepspeed hjson pydantic pydantic_core annotated-types typing-inspection typing_extensions \
+	hydra-core omegaconf antlr4-python3-runtime transformers
+GPU_WHEEL_TARGET := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+	--platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	--platform manylinux1_x86_64
+gpu-wheels: setup
+	rm -rf .whl && mkdir .whl
+	set -e; for pkg in $(GPU_WHEELS); do \
+		ver=$$($(BIN)/python -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' $$pkg); \
+		$(BIN)/pip download -q --no-deps --only-binary=:all: $(GPU_WHEEL_TARGET) -d .whl "$$pkg==$$ver" 2>/dev/null \
+			|| DS_BUILD_OPS=0 $(BIN)/pip wheel -q --no-deps -w .whl "$$pkg==$$ver"; \
+	done
+	@! ls .whl | grep -v -e '-py3-none-any\.whl$$' -e '-cp312-.*manylinux.*x86_64\.whl$$' || \
+		{ echo "gpu-wheels: the wheels above are not for CPython 3.12 on x86_64"; exit 1; }
+	@test $$(du -sm .whl | cut -f1) -le 48 || { echo "gpu-wheels: .whl is over 48 MB"; exit 1; }
+	@ls .whl && du -sh .whl
 
 bench-prep: setup
 	$(BIN)/python bench/prep_overhead.py
