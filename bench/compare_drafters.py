@@ -173,8 +173,9 @@ def train(args: argparse.Namespace, name: str, overrides: list[str], exp: str) -
         overrides = [o.format(prep=prep) for o in overrides]
         data = [] if any(o.startswith("data.dir=") for o in overrides) else [f"data.dir={prep}"]
         # the variant's own overrides last: they win over the suite-wide --train-args (Hydra keeps the last)
+        # an unfinished run left here is trained again from scratch: train.overwrite=true clears it first
         cmd = [torchrun, "--standalone", "--nproc_per_node", str(args.nproc), "launch/train.py", f"+exp={exp}",
-               *data, f"out_dir={run_dir.resolve()}", *args.train_args.split(), *overrides]
+               *data, f"out_dir={run_dir.resolve()}", "train.overwrite=true", *args.train_args.split(), *overrides]
         print(f"[{name}] train: {' '.join(cmd)}", flush=True)
         _run(cmd, run_dir / "bench_train.log")
     return json.loads(summary.read_text())

@@ -41,7 +41,7 @@ def run_demo_recipe(prep: Path, out: Path, overrides: list[str]) -> tuple[dict, 
 
     overrides = ["+exp=eagle3_demo", f"data.dir={prep}", f"out_dir={out}", "train.eval_interval=0",
                  "train.save_interval=0", "train.export=false", "data.eval_max_samples=2", "logger.wandb_mode=disabled",
-                 "logger.progress=false", *overrides]
+                 "logger.progress=false", "train.overwrite=true", *overrides]  # --work reused: each mode starts afresh
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = RunConfig.from_omegaconf(compose("train", overrides=overrides)).validate(1)
     summary = run(cfg, out)

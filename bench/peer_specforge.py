@@ -55,6 +55,7 @@ training wall-clock.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import math
 import os
@@ -70,9 +71,13 @@ from pathlib import Path
 from typing import Any
 
 # Inductor (SpecForge's @torch.compile decorators) forks one compile worker per core by default, and caches
-# kernels under /tmp/torchinductor_<user>; keep both small and private unless the caller chose otherwise.
+# kernels under /tmp/torchinductor_<user>; keep both small and private unless the caller chose otherwise: the cache
+# goes to a fresh directory only this user can open (mkdtemp: unpredictable name, mode 0700; a fixed name in the
+# shared temp directory could be created first, or linked elsewhere, by another user), removed at exit.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "peer_specforge_inductor"))
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="peer_specforge_inductor.")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 import torch  # noqa: E402
 

@@ -75,11 +75,13 @@ def main() -> None:
     if a.vllm_python:
         from eval.engine_check import vllm_server
 
+        logs = Path(tempfile.mkdtemp(prefix="regen_throughput."))  # private (0700), an unpredictable name
+        print(f"vLLM server logs: {logs}", flush=True)
         for dtype in a.vllm_dtypes.split(","):
             t0 = time.perf_counter()
             with vllm_server(a.vllm_python, model_path(preset), dtype=dtype, max_model_len=a.max_length,
                              extra_args=["--served-model-name", preset.hf_id],
-                             log_path=Path(tempfile.gettempdir()) / f"vllm_{dtype}.log") as base:
+                             log_path=logs / f"vllm_{dtype}.log") as base:
                 startup = time.perf_counter() - t0
                 cfg.regen.backend, cfg.regen.base_url = "openai", base + "/v1"
                 for c in [int(x) for x in a.vllm_concurrency.split(",") if x]:

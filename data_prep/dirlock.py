@@ -20,6 +20,7 @@ import pickle
 import socket
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 LOCK_FILE = ".lock"
@@ -73,6 +74,12 @@ def _holder(path: Path) -> str:
             return text
         time.sleep(0.05)
     return "an unknown process"
+
+
+def holding(directory: str | Path, what: str) -> AbstractContextManager:
+    """One process (no ranks): `with holding(dir, what):` holds `dir`'s lock for the block; a directory that does not
+    exist is not created (nothing in it to protect: the caller's own check names it)."""
+    return DirLock(Path(directory), what) if Path(directory).is_dir() else nullcontext()
 
 
 def claim(directory: str | Path, what: str, rank: int = 0, world: int = 1,

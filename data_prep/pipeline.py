@@ -45,7 +45,7 @@ from data_prep.capture import HiddenStateCapture, capture_samples
 from data_prep.chat import Dropped, render_conversation, render_prompt, template_hash
 from data_prep.config import PrepConfig
 from data_prep.conversations import Conversation, Message, SkipReport, load_conversations, split_conversations
-from data_prep.dirlock import claim
+from data_prep.dirlock import claim, holding
 from data_prep.fidelity import check_fidelity, probe_batch
 from data_prep.rendered import (
     RENDERED_DIR,
@@ -414,7 +414,10 @@ def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, head: TargetHead, model,
 def run(cfg: PrepConfig) -> dict | None:
     cfg.validate()
     if cfg.stage == "vocab":
-        return rebuild_draft_vocab(cfg) if int(os.environ.get("RANK", 0)) == 0 else None
+        if int(os.environ.get("RANK", 0)) != 0:
+            return None
+        with holding(cfg.out, "prep"):  # rank 0's work alone; one writer per prep dir (data_prep/dirlock.py)
+            return rebuild_draft_vocab(cfg)
     rank, world = _world()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -105,9 +105,11 @@ def test_overwrite_removes_nothing_when_the_dir_holds_foreign_files(tmp_path: Pa
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     (tmp_path / "notes.txt").write_text("mine")
     (tmp_path / "train.log").write_text("a log")
+    (tmp_path / "eval_chain").mkdir()  # an evaluation of the run's export
     with pytest.raises(RunDirError, match="also holds notes.txt: nothing was removed"):
         prepare_run_dir(tmp_path, resume=False, overwrite=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "metrics.jsonl", "notes.txt", "train.log"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "eval_chain", "metrics.jsonl", "notes.txt",
+                                                           "train.log"]
     (tmp_path / "notes.txt").unlink()
     prepare_run_dir(tmp_path, resume=False, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.log"]  # logs and .hydra are this launch's own
@@ -273,6 +275,9 @@ def test_a_second_prep_into_a_prep_dir_is_refused(tmp_path: Path) -> None:
         with pytest.raises(DirLocked, match=f"another prep writes this directory \\(held by host=.* pid={os.getpid()}"):
             run(PrepConfig(model="no-such-model-is-ever-loaded", data="unused.jsonl", out=str(out)))
     assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]
+    with DirLock(out, "prep"):  # stage=vocab rewrites files of the prep dir too
+        with pytest.raises(DirLocked, match=f"pid={os.getpid()}"):
+            run(PrepConfig(model="no-such-model-is-ever-loaded", data="unused.jsonl", out=str(out), stage="vocab"))
 
 
 WORKER = """

@@ -44,9 +44,9 @@ log = logging.getLogger("train")
 # What a run writes into its directory: train.overwrite=true clears exactly these (and refuses a directory that
 # holds anything else). Not a run's outputs: Hydra's .hydra/, the logs (*.log: train.log, train.rank<N>.log, a
 # bench's log), opened by this launch before training starts, and the lock file. `captured` is train/online.py's
-# CAPTURED_DIR; eval/ and eval_chain/ are where the Makefile evaluates the run's export.
-RUN_OUTPUTS = ("config.yaml", METRICS_FILE, RUN_SUMMARY, "checkpoints", "export", "captured", "wandb", "eval",
-               "eval_chain")
+# CAPTURED_DIR; eval/ and eval_<name>/ hold evaluations of the run's export (the Makefile's eval/ and eval_chain/,
+# bench/compare_drafters.py's eval_<mode>_t<T>/), stale once the run is cleared.
+RUN_OUTPUTS = ("config.yaml", METRICS_FILE, RUN_SUMMARY, "checkpoints", "export", "captured", "wandb", "eval")
 
 # What decides the sample order (train/data.py: which samples, how they are cut and batched, the seed) or the
 # schedule (its length and shape: train/engine.py), recorded in every checkpoint's state.json ("settings"). A resume
@@ -106,7 +106,7 @@ def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
         raise RunDirError(f"out_dir {run_dir} holds a previous run's files ({', '.join(found[:8])}"
                           f"{', ...' if len(found) > 8 else ''}): a run directory belongs to one run. Continue that "
                           "run with train.resume=true, clear it with train.overwrite=true, or choose another out_dir")
-    foreign = [name for name in found if name not in RUN_OUTPUTS]
+    foreign = [name for name in found if name not in RUN_OUTPUTS and not name.startswith("eval_")]
     if foreign:
         raise RunDirError(f"train.overwrite=true clears only a run's own files, and out_dir {run_dir} also holds "
                           f"{', '.join(foreign)}: nothing was removed; move them away or choose another out_dir")
