@@ -129,6 +129,29 @@ def spec_counters(metrics_text: str) -> dict:
     return out
 
 
+def check_export(drafter: str, preset, tokenizer) -> None:
+    """Before vLLM starts: an export with non-finite weights, or one trained for another target, stops the check
+    with its reason (exit status 2, launch.errors.USER_ERROR), as our evaluator refuses it (eval/run.py)."""
+    from data_prep.targets import load_target_config
+    from eval.target import target_fingerprint
+    from launch.errors import USER_ERROR
+    from models.eagle3 import Eagle3Config
+    from models.export import CONFIG_FILE, TARGET_KEY, ExportError, check_tap_layers, check_target
+    from models.export import read_weights as read_export_weights
+
+    try:
+        read_export_weights(Path(drafter))
+        raw = json.loads((Path(drafter) / CONFIG_FILE).read_text())
+        actual = target_fingerprint(load_target_config(preset), tokenizer, preset.name)
+        check_target(raw.get(TARGET_KEY), actual, f"drafter {drafter}", f"target {preset.name}")
+        # the layer ids vLLM will tap: in range for this target, and the ones the drafter was trained on
+        cfg = Eagle3Config.from_hf_dict(raw, target_num_layers=actual["num_layers"])
+        check_tap_layers(raw.get(TARGET_KEY), cfg.aux_layer_ids, f"drafter {drafter}")
+    except (ExportError, ValueError) as e:  # ValueError: a config.json vLLM's EAGLE-3 loader cannot take either
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(USER_ERROR) from None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--vllm-python", required=True)
@@ -144,6 +167,7 @@ def main() -> None:
 
     preset = resolve_target(args.target)
     tokenizer = load_tokenizer(preset)
+    check_export(args.drafter, preset, tokenizer)
     records = load_prompts(args.prompts, limit=args.num_prompts)
     prompts = [render_prompt(tokenizer, [{"role": "user", "content": r.turns[0]}]) for r in records]
     spec = {"method": "eagle3", "model": str(Path(args.drafter).resolve()), "num_speculative_tokens": args.k}

@@ -47,22 +47,39 @@ def stop_token_ids(model, tokenizer, template_kwargs: dict | None = None) -> tup
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def load_drafter(export_dir: str, target_model, device: str, dtype: torch.dtype):
-    """Any family's export (models/registry.py), with the target's frozen tensors (embedding, LM head)."""
+def load_drafter(export_dir: str, target_model, device: str, dtype: torch.dtype, tokenizer=None,
+                 target_name: str = "the target"):
+    """Any family's export (models/registry.py), with the target's frozen tensors (embedding, LM head). An export
+    that records another target than this one (its tokenizer too, when given), or tap layers other than those its
+    config.json now names, is refused naming both (models.export.check_target)."""
+    from eval.target import target_fingerprint
+    from models.export import TARGET_KEY, ExportError, check_tap_layers, check_target
     from models.registry import family_of_export
     from models.target_head import EMBED_KEY, LM_HEAD_KEY, scaled_embedding_weight
 
-    raw = json.loads((Path(export_dir) / CONFIG_FILE).read_text())
+    config_path = Path(export_dir) / CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(f"drafter {export_dir}: no {CONFIG_FILE} (an export dir holds {CONFIG_FILE} and "
+                                "model.safetensors: launch/export.py writes one from a checkpoint)")
+    raw = json.loads(config_path.read_text())
+    actual = target_fingerprint(target_model.config.to_dict(), tokenizer, target_name)
+    check_target(raw.get(TARGET_KEY), actual, f"drafter {export_dir}", f"target {target_name}")
     embed = scaled_embedding_weight(target_model)  # as the target embeds (Gemma: times sqrt(hidden))
     text_cfg = target_model.config.get_text_config()
     head = target_model.get_output_embeddings()
     weights = {EMBED_KEY: embed.detach().cpu()}
     if head is not None:
         weights[LM_HEAD_KEY] = head.weight.detach().cpu()
-    drafter = family_of_export(raw).load_export(
-        export_dir, target_weights=weights, target_num_layers=int(text_cfg.num_hidden_layers), dtype=dtype
-    )
+    try:
+        drafter = family_of_export(raw).load_export(
+            export_dir, target_weights=weights, target_num_layers=int(text_cfg.num_hidden_layers), dtype=dtype
+        )
+    except ExportError:
+        raise
+    except ValueError as e:  # the export's config.json or tensors do not make a drafter for this target
+        raise ExportError(f"drafter {export_dir} on target {target_name}: {e}") from e
     drafter = drafter.to(device=device).eval().requires_grad_(False)
+    check_tap_layers(raw.get(TARGET_KEY), drafter.tap_layers, f"drafter {export_dir}")
     if drafter.cfg.vocab_size != embed.shape[0]:
         raise ValueError(f"drafter vocab_size {drafter.cfg.vocab_size} != target vocab {embed.shape[0]}: "
                          "the drafter was trained for another target")
@@ -92,7 +109,7 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
                               max_turns=d.max_turns if d.max_turns > 0 else None)
     preset = resolve_target(cfg.target)
     model, tokenizer = load_target(preset, dtype=cfg.dtype, device=device, chat_template=cfg.chat_template)
-    drafter = load_drafter(cfg.drafter, model, device, next(model.parameters()).dtype)
+    drafter = load_drafter(cfg.drafter, model, device, next(model.parameters()).dtype, tokenizer, preset.name)
     runner = TargetRunner(model, drafter.tap_layers)
     template_kwargs = {} if preset.enable_thinking is None else {"enable_thinking": preset.enable_thinking}
     eos = stop_token_ids(model, tokenizer, template_kwargs)

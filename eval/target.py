@@ -13,6 +13,19 @@ from torch import Tensor
 FINAL_FEATURE = -1
 
 
+def target_fingerprint(config: dict, tokenizer, name: str) -> dict:
+    """What an export records of its target (models.export.target_fingerprint), read from a target's HF config
+    (a dict) and tokenizer, as prep records it (data_prep.pipeline: the LM head has vocab_size rows)."""
+    from data_prep.pipeline import tokenizer_hash
+    from models.export import target_fingerprint as fingerprint
+
+    text = config.get("text_config", config) if "num_hidden_layers" not in config else config
+    arch = (config.get("architectures") or [None])[0]
+    return fingerprint({"id": name, "architecture": arch, "num_layers": text.get("num_hidden_layers"),
+                        "hidden_size": text.get("hidden_size"), "vocab_size": text.get("vocab_size")},
+                       tokenizer_hash(tokenizer) if tokenizer is not None else None)
+
+
 @dataclass
 class TargetOutput:
     logits: Tensor  # [T, V] (batch 1 squeezed); [1, V] with last_logits_only

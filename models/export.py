@@ -1,10 +1,17 @@
 """The export writer and reader every drafter family shares: config.json + model.safetensors, the file names
 defined here once. Each family's own layout (its keys, its config.json) lives with its model.
+
+Two checks every loader gets here: a weight that is not finite (NaN, ±Inf: a diverged run, a damaged or edited
+file) is refused naming the tensor, before anything decodes with it; and the target a drafter was trained for
+(`TARGET_KEY` in config.json: architecture, layer count, hidden and vocabulary size, tokenizer hash, and the
+drafter's own tap layers) is compared with the target it is used with (`check_target`). vLLM and SGLang read
+config.json into a transformers config, where an unknown key is one more attribute, unused.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -13,6 +20,60 @@ from torch import Tensor, nn
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+TARGET_KEY = "drafters_target"  # config.json: the target the drafter was trained for (a dict, `target_fingerprint`)
+# What must agree between that record and a target (`id`, where recorded, only names it: a local copy is the same).
+FINGERPRINT = ("architecture", "num_layers", "hidden_size", "vocab_size", "tokenizer_hash")
+
+
+class ExportError(ValueError):
+    """An export that must not be used: non-finite weights, or a drafter for another target than the given one."""
+
+
+def target_fingerprint(target: dict, tokenizer_hash: str, tap_layers: list[int] | None = None) -> dict:
+    """The record of a target (a prep's ShardSpec.target: id, architecture, num_layers, hidden_size, vocab_size)
+    with its tokenizer's hash and the drafter's tap layers (0-based), as an export's config.json keeps it."""
+    out = {k: target.get(k) for k in ("id", "architecture", "num_layers", "hidden_size", "vocab_size")}
+    out["tokenizer_hash"] = tokenizer_hash
+    if tap_layers is not None:
+        out["tap_layers"] = [int(i) for i in tap_layers]
+    return out
+
+
+def _describe(fp: dict) -> str:
+    shape = ", ".join(f"{k} {fp.get(k)}" for k in FINGERPRINT if fp.get(k) is not None)
+    return f"{fp.get('id') or fp.get('architecture') or 'a target'} ({shape})"
+
+
+def check_target(recorded: dict | None, actual: dict, drafter: str, target: str) -> None:
+    """ExportError naming both when the target a drafter was trained for (`recorded`, its config.json's
+    TARGET_KEY; None: an export without one, nothing to compare) is not `actual`; a field unknown on either side
+    is not compared. The tap layers must also be in range for `actual`'s layer count."""
+    if recorded is not None:
+        differ = [k for k in FINGERPRINT if None not in (recorded.get(k), actual.get(k)) and recorded[k] != actual[k]]
+        if differ:
+            raise ExportError(f"{drafter} was trained for {_describe(recorded)}, not for {target}: "
+                              f"{_describe(actual)}; they differ in {', '.join(differ)}")
+    taps, layers = (recorded or {}).get("tap_layers"), actual.get("num_layers")
+    # -1: the top layer's feature after the final norm (EAGLE-1's tap, eval.target.FINAL_FEATURE)
+    if taps and layers is not None and not all(int(i) == -1 or 0 <= int(i) < int(layers) for i in taps):
+        raise ExportError(f"{drafter}: tap layers {taps} out of range for {target}, a {layers}-layer target")
+
+
+def stamp_target(out_dir: str | Path, fingerprint: dict) -> None:
+    """Record the drafter's target in an export's config.json (written to a temporary name and renamed)."""
+    path = Path(out_dir) / CONFIG_FILE
+    config = {**json.loads(path.read_text()), TARGET_KEY: fingerprint}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def check_tap_layers(recorded: dict | None, tap_layers: list[int], drafter: str) -> None:
+    """ExportError when the layer ids of an export's config.json are not the ones it was trained with (an edit)."""
+    taps = (recorded or {}).get("tap_layers")
+    if taps is not None and [int(i) for i in taps] != [int(i) for i in tap_layers]:
+        raise ExportError(f"{drafter}: config.json's layer ids give tap layers {list(tap_layers)}, but the drafter "
+                          f"was trained on tap layers {taps} ({TARGET_KEY}): an edited config.json")
 
 
 def write_export(
@@ -40,12 +101,34 @@ def check_keys(tensors: dict[str, Tensor], expected: list[str], what: str) -> No
 
 
 def read_weights(d: Path) -> dict[str, Tensor]:
-    """model.safetensors, or the pytorch_model.bin that several public drafters ship."""
+    """model.safetensors, or the pytorch_model.bin that several public drafters ship; every floating-point
+    tensor checked finite (`check_finite`)."""
     if (d / WEIGHTS_FILE).exists():
-        return load_file(str(d / WEIGHTS_FILE))
-    if (d / "pytorch_model.bin").exists():  # several public EAGLE-3 drafters ship this
-        return torch.load(d / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"{d} has neither {WEIGHTS_FILE} nor pytorch_model.bin")
+        path = d / WEIGHTS_FILE
+        tensors = load_file(str(path))
+    elif (d / "pytorch_model.bin").exists():  # several public EAGLE-3 drafters ship this
+        path = d / "pytorch_model.bin"
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+    else:
+        raise FileNotFoundError(f"{d} has neither {WEIGHTS_FILE} nor pytorch_model.bin")
+    check_finite(tensors, path)
+    return tensors
+
+
+def check_finite(tensors: dict[str, Tensor], path: Path) -> None:
+    """ExportError naming the first tensor (in name order) holding a NaN or an infinity, how many, and where the
+    first is: decoding with it gives garbage drafts, which speculative decoding rejects silently (τ 1.0)."""
+    for key in sorted(tensors):
+        t = tensors[key]
+        if not t.is_floating_point():
+            continue
+        bad = ~torch.isfinite(t)
+        if bad.any():
+            kinds = [f"{int(n)} {what}" for what, n in (("NaN", t.isnan().sum()), ("+Inf", (t == float("inf")).sum()),
+                                                        ("-Inf", (t == float("-inf")).sum())) if n]
+            first = [int(i) for i in bad.nonzero()[0]]
+            raise ExportError(f"{path}: tensor {key} {tuple(t.shape)} holds {', '.join(kinds)} (the first at index "
+                              f"{first}): a broken export (a diverged run or a damaged file), refused")
 
 
 def load_tensors(drafter: nn.Module, tensors: dict[str, Tensor]) -> None:

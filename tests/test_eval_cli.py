@@ -155,3 +155,135 @@ def test_run_eval_adaptive_budget_reports_its_forecast(tmp_path, tiny_target_dir
     bad.decode.budget = "greedy"
     with pytest.raises(ValueError, match="decode.budget"):
         bad.validate()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a broken or foreign export is refused before decoding, naming the tensor or both targets
+
+
+def _copy_export(src: Path, dst: Path, edit_config=None) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    if edit_config is not None:
+        config = json.loads((dst / "config.json").read_text())
+        edit_config(config)
+        (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_launch_eval_refuses_non_finite_weights(tmp_path, tiny_target_dir: Path, exported_drafter: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    export = _copy_export(exported_drafter, tmp_path / "export")
+    tensors = load_file(str(export / "model.safetensors"))
+    tensors["fc.weight"][0, 1] = float("nan")
+    save_file(tensors, str(export / "model.safetensors"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Hi"}) + "\n")
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, str(REPO / "launch" / "eval.py"), f"drafter={export}",
+                          f"target={tiny_target_dir}", f"prompts={prompts}", f"out_dir={out}", "dtype=float32",
+                          "threads=1"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert f"error: {export / 'model.safetensors'}: tensor fc.weight (32, 96) holds 1 NaN" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and not (out / "report.json").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_target_dir: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return (AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32),
+            AutoTokenizer.from_pretrained(tiny_target_dir))
+
+
+def _stamped(tmp_path: Path, exported_drafter: Path, tiny_target, **changes) -> Path:
+    """The export with its target recorded as the tiny target's (with `changes`), as training writes it."""
+    from eval.target import target_fingerprint
+    from models.export import stamp_target
+
+    model, tok = tiny_target
+    fp = target_fingerprint(model.config.to_dict(), tok, "tiny")
+    export = _copy_export(exported_drafter, tmp_path / "export")
+    stamp_target(export, {**fp, "tap_layers": [0, 2, 4], **changes})
+    return export
+
+
+def test_the_export_of_the_target_loads(tmp_path, exported_drafter: Path, tiny_target) -> None:
+    from eval.run import load_drafter
+
+    model, tok = tiny_target
+    drafter = load_drafter(str(_stamped(tmp_path, exported_drafter, tiny_target)), model, "cpu", torch.float32, tok,
+                           "tiny")
+    assert drafter.tap_layers == [0, 2, 4]
+
+
+@pytest.mark.parametrize(("changes", "edit", "message"), [
+    ({"id": "org/big", "num_layers": 32, "hidden_size": 4096}, None,
+     "was trained for org/big (architecture LlamaForCausalLM, num_layers 32, hidden_size 4096"),
+    ({"tokenizer_hash": "0123456789abcdef"}, None, "they differ in tokenizer_hash"),
+    ({}, lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 4, 6]),
+     "layer ids give tap layers [1, 3, 5], but the drafter was trained on tap layers [0, 2, 4]"),
+    ({}, lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 16, 29]),
+     "out of range for a 8-layer target"),
+], ids=["another-target", "another-tokenizer", "layer-ids-edited", "layer-ids-of-a-deeper-target"])
+def test_a_foreign_or_edited_export_is_refused(tmp_path, exported_drafter: Path, tiny_target, changes, edit,
+                                               message: str) -> None:
+    from eval.run import load_drafter
+    from models.export import ExportError
+
+    model, tok = tiny_target
+    export = _stamped(tmp_path, exported_drafter, tiny_target, **changes)
+    if edit is not None:
+        config = json.loads((export / "config.json").read_text())
+        edit(config)
+        (export / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError) as e:
+        load_drafter(str(export), model, "cpu", torch.float32, tok, "tiny")
+    assert message in str(e.value) and str(export) in str(e.value), str(e.value)
+
+
+def test_engine_check_refuses_a_foreign_export_before_vllm_starts(tmp_path, tiny_target_dir: Path,
+                                                                   exported_drafter: Path, tiny_target, capsys) -> None:
+    from data_prep.targets import load_tokenizer, resolve_target
+    from eval.engine_check import check_export
+
+    preset = resolve_target(str(tiny_target_dir))
+    tokenizer = load_tokenizer(preset)
+    check_export(str(_stamped(tmp_path / "ok", exported_drafter, tiny_target)), preset, tokenizer)
+    export = _stamped(tmp_path / "foreign", exported_drafter, tiny_target, id="org/big", vocab_size=128256)
+    with pytest.raises(SystemExit) as e:
+        check_export(str(export), preset, tokenizer)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "was trained for org/big" in err and "differ in vocab_size" in err, err
+
+
+def test_a_trained_drafter_evaluates_on_its_target_and_is_refused_on_another(
+        tmp_path, tiny_prep_dir: Path, tiny_target_dir: Path, smollm2_dir: Path) -> None:
+    """prep -> train -> export records the prep's target; eval on that target runs, on another (SmolLM2 itself:
+    the same tokenizer, a deeper and wider model) stops before decoding, naming both."""
+    from conftest import run_train
+
+    from models.export import TARGET_KEY
+
+    run = tmp_path / "run"
+    run_train(run, "+exp=debug", f"data.dir={tiny_prep_dir}", "train.max_steps=1", "data.batch_size=2",
+              "data.eval_batch_size=2")
+    recorded = json.loads((run / "export" / "config.json").read_text())[TARGET_KEY]
+    assert (recorded["num_layers"], recorded["hidden_size"]) == (8, 32) and len(recorded["tokenizer_hash"]) == 16
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Hi"}) + "\n")
+
+    def evaluate(target: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(REPO / "launch" / "eval.py"), f"drafter={run / 'export'}",
+                               f"target={target}", f"prompts={prompts}", f"out_dir={tmp_path / target.name}",
+                               "dtype=float32", "threads=1", "plots=false", "decode.max_new_tokens=4"],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+    ok = evaluate(tiny_target_dir)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    foreign = evaluate(smollm2_dir)
+    assert foreign.returncode == 2, foreign.stderr[-3000:]
+    assert f"was trained for {recorded['id']} (" in foreign.stderr and "differ in num_layers, hidden_size" in (
+        foreign.stderr), foreign.stderr

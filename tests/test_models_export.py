@@ -282,3 +282,47 @@ def test_the_family_table_names_every_piece_of_each_family():
     assert isinstance(make_strategy(d, SpecSettings()), EagleDrafting)
     with pytest.raises(TypeError, match="not the drafter class"):
         family_of_drafter(torch.nn.Linear(2, 2))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a broken export (non-finite weights) is refused at load, naming the tensor; a foreign one names both targets
+
+
+@pytest.mark.parametrize(("key", "value", "named"), [
+    ("fc.weight", float("nan"), "fc.weight (32, 96) holds 1 NaN (the first at index [3, 5])"),
+    ("lm_head.weight", float("inf"), "lm_head.weight (40, 32) holds 32 +Inf (the first at index [7, 0])"),
+], ids=["nan-fc", "inf-lm-head-row"])
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path, key: str, value: float, named: str) -> None:
+    from models.export import ExportError
+
+    d = make_drafter()
+    save_export(d, tmp_path, dtype=torch.float32)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    if key == "fc.weight":
+        tensors[key][3, 5] = value
+    else:
+        tensors[key][7] = value  # a whole row
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ExportError) as e:
+        load_export(tmp_path, target_weights={EMBED_KEY: d.embed_tokens.weight})
+    assert named in str(e.value) and str(tmp_path / "model.safetensors") in str(e.value), str(e.value)
+
+
+def test_check_target_names_both_and_the_tap_layers_range() -> None:
+    from models.export import ExportError, check_tap_layers, check_target, target_fingerprint
+
+    mine = target_fingerprint({"id": "org/small", "architecture": "LlamaForCausalLM", "num_layers": 10,
+                               "hidden_size": 32, "vocab_size": 97}, "abc", [1, 4, 7])
+    check_target(mine, {**mine, "id": "/local/copy/of/small", "tap_layers": None}, "drafter d", "target t")
+    other = {**mine, "id": "org/other", "num_layers": 12, "tokenizer_hash": "def"}
+    with pytest.raises(ExportError) as e:
+        check_target(mine, other, "drafter d", "target t")
+    text = str(e.value)
+    assert "drafter d was trained for org/small (architecture LlamaForCausalLM, num_layers 10" in text, text
+    assert "not for target t: org/other (" in text and "differ in num_layers, tokenizer_hash" in text, text
+    check_target(None, other, "drafter d", "target t")  # an export from before: nothing recorded to compare
+    with pytest.raises(ExportError, match=r"tap layers \[1, 4, 7\] out of range for target t, a 5-layer target"):
+        check_target({**mine, "num_layers": None}, {**mine, "num_layers": 5}, "drafter d", "target t")
+    check_tap_layers(mine, [1, 4, 7], "drafter d")
+    with pytest.raises(ExportError, match=r"layer ids give tap layers \[2, 4, 7\], but the drafter was trained on"):
+        check_tap_layers(mine, [2, 4, 7], "drafter d")

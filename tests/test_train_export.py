@@ -78,3 +78,34 @@ def test_end_of_run_export_equals_final_checkpoint_export(run_dir, tmp_path: Pat
     final, redo = load_file(str(run / "export" / "model.safetensors")), load_file(str(again / "model.safetensors"))
     assert final.keys() == redo.keys() and all(torch.equal(final[k], redo[k]) for k in final)
     assert json.loads((run / "export" / "config.json").read_text()) == json.loads((again / "config.json").read_text())
+
+
+def test_the_export_records_its_target_and_a_re_export_against_another_is_refused(run_dir, tmp_path: Path) -> None:
+    """config.json keeps the prep's target (engines ignore the key); the checkpoint recorded it when saved, and a
+    re-export whose prep directory now holds another target's prep is refused, naming both."""
+    import shutil
+
+    from models.export import TARGET_KEY, ExportError
+    from train.export import export_checkpoint
+
+    prep, run = run_dir
+    manifest = json.loads((prep / "train" / "manifest.json").read_text())
+    recorded = json.loads((run / "export" / "config.json").read_text())[TARGET_KEY]
+    assert recorded == {**{k: manifest["target"][k] for k in ("id", "architecture", "num_layers", "hidden_size",
+                                                              "vocab_size")},
+                        "tokenizer_hash": manifest["tokenizer_hash"] or None, "tap_layers": manifest["tap_layers"]}
+    step = run / "checkpoints" / "step_000002"
+    assert json.loads((step / "state.json").read_text())["target"]["id"] == manifest["target"]["id"]
+    # the prep directory re-made for another target (another vocabulary), the checkpoint copied beside it
+    other_prep, other_step = tmp_path / "prep", tmp_path / "ckpt" / "step_000002"
+    shutil.copytree(prep, other_prep)
+    shutil.copytree(step, other_step)
+    m = json.loads((other_prep / "train" / "manifest.json").read_text())
+    m["target"].update(id="org/other", vocab_size=m["target"]["vocab_size"] + 64)
+    (other_prep / "train" / "manifest.json").write_text(json.dumps(m))
+    state = json.loads((other_step / "state.json").read_text())
+    (other_step / "state.json").write_text(json.dumps({**state, "data_dir": str(other_prep)}))
+    with pytest.raises(ExportError) as e:
+        export_checkpoint(other_step, tmp_path / "out")
+    assert "was trained for synthetic" in str(e.value) and "is now for org/other" in str(e.value), str(e.value)
+    assert "differ in vocab_size" in str(e.value)

@@ -34,6 +34,7 @@ from train.build import load_head
 from train.config import RunConfig
 from train.data import Cursor, ShardBatches, held_out_split
 from train.engine import Engine, init_distributed
+from train.export import prep_target
 from train.metrics import METRICS_FILE, RUN_SUMMARY, MetricsLogger, memory_stats
 from train.objective import Objective, make_objective
 from train.sequence_parallel import SequenceParallel, owned_tokens
@@ -218,6 +219,7 @@ def save_checkpoint(
             "method": cfg.model.method,
             "settings": resume_settings(cfg),  # compared by check_resume
             "total_steps": total,
+            "target": prep_target(cfg.data.dir),  # what its export records as the drafter's target
         }
         buffers = export_buffers(module, cfg.model.method)
         path = checkpoint.save(
@@ -244,12 +246,13 @@ def export_buffers(module, method: str) -> dict[str, Tensor]:
     return out
 
 
-def export(engine: Engine, module, out: Path, method: str) -> None:
+def export(engine: Engine, module, out: Path, method: str, target: dict | None = None) -> None:
     from train.export import export_drafter
 
     params = engine.full_params()  # collective
     if engine.rank == 0:
-        export_drafter(dataclasses.asdict(module.cfg), params, export_buffers(module, method), out, method=method)
+        export_drafter(dataclasses.asdict(module.cfg), params, export_buffers(module, method), out, method=method,
+                       target=target)
         log.info("export %s", out)
     dist.barrier()
 
@@ -378,7 +381,7 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float) -> d
         eval_metrics = evaluate(engine, module, head, eval_data, objective, sp)
         logger.log("eval", step, eval_metrics)
     if finished and t.export:
-        export(engine, module, run_dir / "export", cfg.model.method)
+        export(engine, module, run_dir / "export", cfg.model.method, prep_target(cfg.data.dir))
     summary = {
         "finished": finished,
         "steps": step,
