@@ -381,8 +381,9 @@ def _invalid_text(x: Any) -> str | None:
 
 
 class _Normaliser:
-    def __init__(self, report: SkipReport):
+    def __init__(self, report: SkipReport, prompt: bool = False):
         self.report = report
+        self.prompt = prompt  # an evaluation prompt (normalise_prompt): user turns to ask, no reply needed
         self.seen_ids: Counter = Counter()
         self.seen_hashes: set[str] = set()
 
@@ -418,6 +419,10 @@ class _Normaliser:
             if not text.strip():
                 return skip("empty_content", role)
             msgs.append(Message(role, text))
+        if self.prompt:
+            if not any(m.role == "user" for m in msgs):
+                return skip("no_user")
+            return Conversation(id=self._unique_id(rec, conversation_hash(msgs)), messages=msgs, source=label)
         msgs = self._trim(msgs)
         if not any(m.role == "assistant" for m in msgs):
             return skip("no_assistant")
@@ -453,6 +458,14 @@ class _Normaliser:
             self.report.fixed["renamed_duplicate_id"] += 1
             cid = f"{cid}#{self.seen_ids[cid]}"
         return cid
+
+
+def normalise_prompt(rec: Any) -> Conversation | SkipExample:
+    """One evaluation prompt in a form prep reads (ShareGPT `conversations`, OpenAI `messages`: the same roles,
+    text parts and checks), which needs no reply: its Conversation, or why it is not one (eval/prompts.py)."""
+    report = SkipReport()
+    conv = _Normaliser(report, prompt=True)(rec, "prompt", 0)
+    return conv if conv is not None else report.examples[0]
 
 
 def iter_conversations(

@@ -169,7 +169,7 @@ def main() -> None:
     tokenizer = load_tokenizer(preset)
     check_export(args.drafter, preset, tokenizer)
     records = load_prompts(args.prompts, limit=args.num_prompts)
-    prompts = [render_prompt(tokenizer, [{"role": "user", "content": r.turns[0]}]) for r in records]
+    prompts = [render_prompt(tokenizer, r.messages(0, [])) for r in records]
     spec = {"method": "eagle3", "model": str(Path(args.drafter).resolve()), "num_speculative_tokens": args.k}
     log = Path(args.out).with_suffix(".vllm.log") if args.out else None
     try:

@@ -126,7 +126,7 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     decoder = SpeculativeDecoder(runner, drafter, settings, budget)
 
     if cfg.warmup:  # first calls pay one-off allocation / kernel selection costs
-        ids = render(tokenizer, [{"role": "user", "content": records_in[0].turns[0]}], template_kwargs)
+        ids = render(tokenizer, records_in[0].messages(0, []), template_kwargs)
         decoder.generate(ids, min(8, d.max_new_tokens), params, eos, torch.Generator().manual_seed(0))
         if cfg.baseline:
             plain_generate(runner, ids, min(8, d.max_new_tokens), params, eos, torch.Generator().manual_seed(0))
@@ -139,19 +139,20 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     samples = []
     bar = tqdm(records_in, desc=f"eval {d.mode}", unit="prompt", disable=not progress)
     for rec in bar:
-        messages: list[dict] = []
-        for turn_idx, turn in enumerate(rec.turns):
-            messages.append({"role": "user", "content": turn})
-            ids = render(tokenizer, messages, template_kwargs)
+        answers: list[str] = []  # the model's own, which each later turn follows
+        for turn_idx in range(len(rec.turns)):
+            ids = render(tokenizer, rec.messages(turn_idx, answers), template_kwargs)
             seed = d.seed + len(samples)
             spec = decoder.generate(ids, d.max_new_tokens, params, eos, torch.Generator().manual_seed(seed))
             spec_recs.append(spec)
+            text = tokenizer.decode(spec.output_ids, skip_special_tokens=True)
             sample = {"id": rec.id, "turn": turn_idx, "prompt_token_ids": ids, "output_token_ids": spec.output_ids,
-                      "tau": metrics.tau_of(spec.accept_lengths)}
+                      "output_text": text, "tau": metrics.tau_of(spec.accept_lengths)}
             if cfg.baseline:
                 base = plain_generate(runner, ids, d.max_new_tokens, params, eos, torch.Generator().manual_seed(seed))
                 base_recs.append(base)
                 sample["baseline_output_token_ids"] = base.output_ids
+                sample["baseline_output_text"] = tokenizer.decode(base.output_ids, skip_special_tokens=True)
             if cfg.prompt_lookup:
                 from eval.peers import hf_generate
 
@@ -162,9 +163,7 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
                 peer["hf_tokens"] += len(out)
                 peer["hf_seconds"] += sec
             samples.append(sample)
-            # The next turn follows the model's own answer (MT-bench's protocol).
-            messages.append({"role": "assistant",
-                             "content": tokenizer.decode(spec.output_ids, skip_special_tokens=True)})
+            answers.append(text)  # the next turn follows the model's own answer (MT-bench's protocol)
         bar.set_postfix(tau=f"{metrics.tau_pooled(spec_recs):.2f}")
 
     summary = metrics.summarize(spec_recs, decoder.depth)

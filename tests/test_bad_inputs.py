@@ -179,8 +179,15 @@ BAD_PROMPTS = [
     ("turn_not_a_string", b'{"turns": ["ok", 3]}', "'turns' must be a non-empty list"),
     ("turn_blank", b'{"turns": ["ok", "  "]}', "'turns' must be a non-empty list"),
     ("prompt_blank", b'{"prompt": ""}', "'prompt' must be a non-empty string"),
-    ("no_prompt_key", b'{"text": "x"}', "a record needs 'turns' (a list of user messages) or 'prompt'"),
+    ("no_prompt_key", b'{"text": "x"}', "a record needs 'turns' (a list of user messages), 'prompt' (a string) or "
+     "a conversation (messages / conversations / conversation, as prep reads them)"),
     ("non_utf8", b'{"prompt": "caf\xe9"}', "not UTF-8 (byte 16 of the line"),
+    ("messages_without_user", b'{"messages": [{"role": "system", "content": "Be brief."}]}',
+     "not a conversation prep would read (no_user: )"),
+    ("messages_unknown_role", b'{"messages": [{"role": "narrator", "content": "x"}]}',
+     "not a conversation prep would read (unknown_role: 'narrator')"),
+    ("sharegpt_late_system", b'{"conversations": [{"from": "human", "value": "q"}, {"from": "system", "value": "s"}]}',
+     "one system message, before the first user turn, is what a prompt can have; roles ['user', 'system']"),
 ]
 
 

@@ -287,3 +287,55 @@ def test_a_trained_drafter_evaluates_on_its_target_and_is_refused_on_another(
     assert foreign.returncode == 2, foreign.stderr[-3000:]
     assert f"was trained for {recorded['id']} (" in foreign.stderr and "differ in num_layers, hidden_size" in (
         foreign.stderr), foreign.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prompts in prep's forms (OpenAI messages, ShareGPT), system prompts included; decoded outputs in the report
+
+
+PREP_FORMS = [
+    {"id": "oa", "messages": [{"role": "system", "content": "You answer in French."},
+                              {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]},
+                              {"role": "assistant", "content": "not used"},
+                              {"role": "user", "content": "And another?"}]},
+    {"id": "sg", "conversations": [{"from": "system", "value": "You are terse."}, {"from": "human", "value": "Hi"},
+                                   {"from": "gpt", "value": "not used either"}]},
+    {"question_id": 7, "messages": [{"role": "user", "content": "No system prompt."}]},
+]
+
+
+def test_prompts_in_prep_forms(tmp_path) -> None:
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in PREP_FORMS))
+    recs = load_prompts(str(f))
+    assert [(r.id, r.turns, r.system) for r in recs] == [
+        ("oa", ["Name a colour.", "And another?"], "You answer in French."), ("sg", ["Hi"], "You are terse."),
+        ("7", ["No system prompt."], None)]
+    assert recs[0].messages(1, ["Rouge."]) == [
+        {"role": "system", "content": "You answer in French."}, {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Rouge."}, {"role": "user", "content": "And another?"}]
+
+
+def test_run_eval_on_prep_forms_reports_decoded_outputs(tmp_path, tiny_target_dir: Path,
+                                                        exported_drafter: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from eval.config import DecodeConfig, EvalConfig
+    from eval.run import run_eval
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in PREP_FORMS[:2]))
+    cfg = EvalConfig(drafter=str(exported_drafter), target=str(tiny_target_dir), prompts=str(prompts),
+                     out_dir=str(tmp_path / "o"), dtype="float32", plots=False, warmup=False,
+                     decode=DecodeConfig(mode="chain", depth=2, max_new_tokens=6))
+    report = run_eval(cfg, progress=False)
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    samples = json.loads((tmp_path / "o" / "report.json").read_text())["samples"]
+    assert [(s["id"], s["turn"]) for s in samples] == [("oa", 0), ("oa", 1), ("sg", 0)]
+    for s in samples:
+        assert s["output_text"] == tok.decode(s["output_token_ids"], skip_special_tokens=True)
+        assert s["baseline_output_text"] == tok.decode(s["baseline_output_token_ids"], skip_special_tokens=True)
+    shown = [tok.decode(s["prompt_token_ids"]) for s in samples]
+    assert "You answer in French." in shown[0] and "You answer in French." in shown[1] and "terse" in shown[2]
+    assert samples[0]["output_text"] in shown[1] and "not used" not in shown[1]  # turn 2 follows the model's answer
+    assert report["num_requests"] == 3
