@@ -25,7 +25,7 @@ DEMO_PREP_ARGS ?= max_length=1024
 DEMO_EVAL_ARGS ?= decode.mode=tree decode.temperature=0 decode.num_prompts=10 decode.max_new_tokens=128 \
 	decode.auto_total_tokens=true threads=2
 
-.PHONY: setup prep train plan export eval demo test lint bench-prep engine-check regen-check bench-eval bench-decode bench-vllm bench-peer clean gpu-check gpu-wheels
+.PHONY: setup prep train plan export eval demo test lint bench-prep engine-check regen-check capture-check bench-eval bench-decode bench-vllm bench-peer clean gpu-check gpu-wheels
 
 setup: $(STAMP)
 $(STAMP): pyproject.toml
@@ -83,6 +83,13 @@ engine-check: setup $(VLLM_VENV)/bin/python
 # engine-check) serving the embedded target, replies compared with the `hf` backend's. Not part of `make test`.
 regen-check: setup $(VLLM_VENV)/bin/python
 	DRAFTERS_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/pytest -q -s -rs tests/test_prep_regen_vllm.py
+
+# Opt-in: prep's capture through vLLM's hidden-state extraction (capture.engine=vllm, CPU build, its own venv)
+# against the HF capture of the same samples of the embedded target, fp32 both. Not part of `make test`;
+# bench/vllm_capture.py measures the same on 40 samples with throughput (bench/results/vllm_capture.json).
+capture-check: setup $(VLLM_VENV)/bin/python
+	DRAFTERS_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/pytest -q -s -rs tests/test_prep_capture_vllm.py \
+		-k real_vllm
 
 # Speculative decoding (tree, chain; T=0, T=1) vs plain decoding and HF prompt lookup, one process, same
 # prompts: ~10-15 min on 2 CPU cores. Writes bench/results/spec_decode_speed.{json,png}.
