@@ -548,25 +548,38 @@ def section_spec_decode(cfg: Config, rec: Recorder, deadline: float) -> None:
 
 
 # ------------------------------------------------------------------------------------------ train_step
+# The target presets (conf/targets/) whose drafters the train_step geometries are: what the memory plan reads.
+PLAN_TARGETS = {"embedded": "smollm2-135m-instruct", "gpt-oss-120b": "gpt-oss-120b"}
+
+
 def _plan_prediction(geometry: str, geo: dict, seq_len: int, cfg: Config) -> Any:
-    """The memory plan's prediction for this step when the project has a planner (train/plan.py or
-    launch/plan.py with a `predict_step_memory` function); None when it has none."""
-    for module_name in ("train.plan", "launch.plan"):
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name != module_name:
-                return {"error": f"{type(e).__name__}: {e}"}
-            continue
-        fn = getattr(module, "predict_step_memory", None)
-        if fn is None:
+    """The memory plan's bytes (train/plan.py) of this very step: one rank, ZeRO-3 through DeepSpeed, this
+    precision and device, the section's TTT settings, an untied random head; None without a planner or a
+    preset for the geometry, {"error": ...} when the planner fails (a finding, not this section's failure)."""
+    target = PLAN_TARGETS.get(geometry)
+    if target is None:
+        return None
+    try:
+        from train.plan import components, describe_drafter, describe_target, settings_from_run
+    except ModuleNotFoundError as e:
+        if e.name == "train.plan":
             return None
-        try:
-            return fn(geometry=geo, seq_len=seq_len, ttt_steps=cfg.train_ttt, chunk_size=cfg.train_chunk,
-                      checkpoint_layer=True, zero_stage=3, world_size=1, precision="bf16")
-        except Exception as e:  # the planner's failure is a finding, not this section's
-            return {"error": f"{type(e).__name__}: {e}"}
-    return None
+        return {"error": f"{type(e).__name__}: {e}"}
+    try:
+        from train.config import RunConfig
+
+        run = RunConfig(out_dir="plan")
+        run.data.dir, run.data.batch_size, run.data.max_len = "plan", 1, seq_len
+        run.model.draft_vocab_size = geo["draft_vocab_size"]
+        run.train.ttt_steps, run.train.chunk_size, run.train.checkpoint_layer = cfg.train_ttt, cfg.train_chunk, True
+        run.deepspeed.zero_stage, run.deepspeed.precision = 3, "fp32" if cfg.dry_run else "bf16"
+        info = describe_target(target)
+        s = settings_from_run(run, 1, seq_len, cfg.device, head_tied=False)
+        rows, _ = components(info, describe_drafter(run, info), s)  # a step at exactly seq_len tokens
+        return {"target": target, "plan_mb": round(sum(rows.values()) / 2**20, 1),
+                "rows_mb": {k: round(v / 2**20, 1) for k, v in rows.items()}}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def _compiled_graphs() -> int:
@@ -647,7 +660,9 @@ def section_train_step(cfg: Config, rec: Recorder, deadline: float) -> None:
                 row["error"] = f"OutOfMemoryError: {str(e)[:300]}"
                 rec.check(f"{geometry}_T{T}_fits", False, value=row["error"])
             row["compiled_graphs"] = _compiled_graphs()  # a recompilation storm shows as a jump here
-            row["plan_prediction"] = _plan_prediction(geometry, geo, T, cfg)
+            row["plan_prediction"] = plan = _plan_prediction(geometry, geo, T, cfg)
+            if isinstance(plan, dict) and "plan_mb" in plan and row.get("peak_mem_mb"):
+                row["measured_over_plan"] = row["peak_mem_mb"] / plan["plan_mb"]
             rec.row(row)
             batch = None
             _reset_peak(dev)

@@ -74,3 +74,18 @@ def test_a_section_over_budget_is_recorded_and_the_others_run(tmp_path: Path) ->
     assert verify["status"] == "timeout" and verify["seconds"] < 30 and "log_tail" in verify
     assert attention["status"] == "passed" and attention["rows"]
     assert r.stdout.strip().splitlines()[-3].split()[:2] == ["verify", "timeout"]
+
+
+def test_the_train_step_rows_carry_the_memory_plan_of_the_same_step() -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_check
+    from long_context import GEOMETRIES
+
+    cfg = gpu_check.make_config(dry_run=False)  # the GPU run's settings; the plan is arithmetic on configs
+    small = gpu_check._plan_prediction("embedded", GEOMETRIES["embedded"], 2048, cfg)
+    large = gpu_check._plan_prediction("gpt-oss-120b", GEOMETRIES["gpt-oss-120b"], 40960, cfg)
+    assert "error" not in small and "error" not in large, (small, large)
+    assert small["target"] == "smollm2-135m-instruct" and large["target"] == "gpt-oss-120b"
+    assert 0 < small["plan_mb"] < large["plan_mb"]
+    assert abs(small["plan_mb"] - sum(small["rows_mb"].values())) <= 0.1 * len(small["rows_mb"])
+    assert gpu_check._plan_prediction("tiny", GEOMETRIES["tiny"], 64, cfg) is None  # no preset: nothing to plan
