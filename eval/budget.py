@@ -47,24 +47,69 @@ def time_verify_forward(
     return times[len(times) // 2]
 
 
+@dataclass
+class BudgetChoice:
+    """The verify budget m `choose_total_tokens` picked, the timings it picked it from, and why."""
+
+    m: int
+    timings: dict[int, float]  # m -> seconds of the (m + 1)-token forward; 0: the 1-token reference
+    tolerance: float
+    within_tolerance: bool  # False: nothing fitted, m is the smallest candidate
+    not_monotonic: list[int]  # candidates that fitted again above one that did not (ignored as noise)
+    reason: str
+
+    def ratios(self) -> dict[int, float]:
+        return {m: t / self.timings[0] for m, t in self.timings.items() if m}
+
+    def to_dict(self) -> dict:
+        return {"m": self.m, "tolerance": self.tolerance, "within_tolerance": self.within_tolerance,
+                "cost_ratio": self.ratios(), "not_monotonic": self.not_monotonic, "reason": self.reason}
+
+
+def pick_total_tokens(timings: dict[int, float], candidates: list[int], tolerance: float) -> BudgetChoice:
+    """From ascending candidates, the largest m before the first whose verify forward takes more than `tolerance`
+    x the 1-token forward (timings[0]). A verify forward does not get cheaper with more tokens, so a larger m
+    that fits again after one that did not is noise in the timings: the cheaper size is kept, and named. When
+    not even the smallest fits, it is chosen and the choice says so (tree decoding may not pay on this machine)."""
+    sizes = sorted(set(candidates))
+    ratio = {m: timings[m] / timings[0] for m in sizes}
+    fits = [m for m in sizes if ratio[m] <= tolerance]
+    prefix = []
+    for m in sizes:
+        if ratio[m] > tolerance:
+            break
+        prefix.append(m)
+    shown = ", ".join(f"m={m} {ratio[m]:.2f}x" for m in sizes)
+    if not prefix:
+        m = sizes[0]
+        return BudgetChoice(m, timings, tolerance, False, [], (
+            f"m={m}, the smallest candidate: none is within the tolerance {tolerance}x of a 1-token forward "
+            f"({shown}); tree decoding may not pay on this machine (try decode.mode=chain or decode.budget=adaptive, "
+            f"or a larger decode.auto_tolerance)"))
+    m = prefix[-1]
+    noise = [c for c in fits if c > m]
+    reason = f"m={m}, the largest candidate whose verify forward is within {tolerance}x of a 1-token forward ({shown})"
+    if noise:
+        over = sizes[len(prefix)]
+        reason += (f"; {', '.join(f'm={c}' for c in noise)} fitted again above m={over}, which did not: timings not "
+                   f"monotonic (noise), so the cheaper m={m} is kept")
+    return BudgetChoice(m, timings, tolerance, True, noise, reason)
+
+
 def choose_total_tokens(
     target: TargetRunner,
     candidates: list[int],
     tolerance: float = 1.3,
     context_len: int = 128,
     repeats: int = 3,
-) -> tuple[int, dict[int, float]]:
-    """The largest candidate m whose (m + 1)-token verify forward takes <= tolerance x a 1-token forward.
-
-    Returns (m, {m: seconds}); timings[0] is the 1-token reference. Falls back to the smallest candidate
-    when none is within tolerance.
-    """
+) -> BudgetChoice:
+    """Time the (m + 1)-token verify forward of every candidate m against a 1-token forward and pick m
+    (`pick_total_tokens`: the rule, and what it says about its choice)."""
     time_verify_forward(target, 1, context_len, 1)  # first-call costs (allocator, kernel setup) land here
     timings = {0: time_verify_forward(target, 1, context_len, repeats)}
     for m in sorted(set(candidates)):
         timings[m] = time_verify_forward(target, m + 1, context_len, repeats)
-    fitting = [m for m in sorted(set(candidates)) if timings[m] <= tolerance * timings[0]]
-    return (max(fitting) if fitting else min(candidates)), timings
+    return pick_total_tokens(timings, candidates, tolerance)
 
 
 # Block sizes timed for the cost model (root + drafts); linear in between, the last slope beyond.

@@ -15,7 +15,7 @@ class DecodeConfig:
     total_tokens: int = 60  # tree: drafted nodes verified per step (block = total_tokens + 1 root)
     auto_total_tokens: bool = False  # time the target (choose_total_tokens) and pick total_tokens
     total_tokens_candidates: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 60])
-    auto_tolerance: float = 1.3  # keep the largest m whose verify forward <= tolerance x a 1-token forward
+    auto_tolerance: float = 1.3  # the largest m before the first whose verify forward > tolerance x a 1-token one
     # fixed: verify every drafted node (tree: total_tokens, chain: depth). adaptive: each cycle verifies the
     # best m of them that a cost model fed by the target's timings expects to pay, m = 0 included
     # (eval/budget.py AdaptiveBudget); with a tree, total_tokens (or auto_total_tokens' pick) is the most m.

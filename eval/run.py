@@ -115,9 +115,12 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     eos = stop_token_ids(model, tokenizer, template_kwargs)
     params = SamplingParams(d.temperature, d.top_p, d.top_k)
 
-    total_tokens, timings = d.total_tokens, None
+    total_tokens, timings, choice = d.total_tokens, None, None
     if d.mode == "tree" and d.auto_total_tokens:
-        total_tokens, timings = choose_total_tokens(runner, list(d.total_tokens_candidates), d.auto_tolerance)
+        choice = choose_total_tokens(runner, list(d.total_tokens_candidates), d.auto_tolerance)
+        total_tokens, timings = choice.m, choice.timings
+        if progress:
+            print(f"auto total_tokens: {choice.reason}", flush=True)
     settings = SpecSettings(d.mode, d.depth, d.topk, total_tokens, d.sample_drafts)
     budget = None
     if d.budget == "adaptive":
@@ -181,7 +184,8 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
         "stop_token_ids": list(eos),
         "device": device,
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-        "decode": {**asdict(d), "total_tokens": total_tokens, "total_tokens_timings_s": timings},
+        "decode": {**asdict(d), "total_tokens": total_tokens, "total_tokens_timings_s": timings,
+                   "total_tokens_choice": choice.to_dict() if choice is not None else None},
         # what the drafter really did: a DFlash drafter drafts its block (block_size) whatever decode.depth says
         "drafting": decoder.strategy.describe(),
         "tau_definition": "(accepted drafts + 1 bonus) per verify forward; prefill and budget cut excluded",
@@ -263,6 +267,8 @@ def format_summary(report: dict) -> str:
         f"tokens/s: speculative={tps['speculative']:.1f} baseline={tps['baseline']:.1f}  "
         f"speedup={report['speedup'] if report['speedup'] is None else round(report['speedup'], 3)} ({budget})",
     ]
+    if d.get("total_tokens_choice"):
+        lines.append(f"auto total_tokens: {d['total_tokens_choice']['reason']}")
     if "outputs_identical_to_baseline" in report:
         o = report["outputs_identical_to_baseline"]
         lines.append(f"outputs identical to baseline: {o['count']}/{o['of']}")

@@ -105,3 +105,22 @@ def test_worth_expanding_weighs_a_forward_against_what_it_can_add() -> None:
     # a forward costs 0.01 s: worth it while c·p > r·0.01
     assert budget.worth_expanding(1.01 * r * 0.01) and not budget.worth_expanding(0.99 * r * 0.01)
     assert budget.log[-1]["drafted"] == 4 and budget.summary()["mean_draft_forwards"] == 2
+
+
+def test_the_automatic_budget_keeps_the_cheaper_size_on_noisy_timings_and_says_why() -> None:
+    from eval.budget import pick_total_tokens
+
+    candidates = [4, 8, 16, 32, 60]
+    # noise: 16 is over the tolerance, 32 and 60 (no cheaper in truth) measured under it
+    noisy = pick_total_tokens({0: 1.0, 4: 1.05, 8: 1.2, 16: 1.45, 32: 1.25, 60: 1.28}, candidates, 1.3)
+    assert (noisy.m, noisy.within_tolerance, noisy.not_monotonic) == (8, True, [32, 60])
+    assert noisy.reason.startswith("m=8, the largest candidate whose verify forward is within 1.3x"), noisy.reason
+    assert "m=32, m=60 fitted again above m=16, which did not: timings not monotonic" in noisy.reason
+    assert noisy.to_dict()["cost_ratio"][16] == pytest.approx(1.45)
+    # nothing fits: the smallest, and the choice says so
+    none = pick_total_tokens({0: 1.0, 4: 1.8, 8: 2.0, 16: 2.5, 32: 3.0, 60: 4.0}, candidates, 1.3)
+    assert (none.m, none.within_tolerance) == (4, False)
+    assert "m=4, the smallest candidate: none is within the tolerance 1.3x" in none.reason and "m=4 1.80x" in none.reason
+    # monotonic timings: the largest that fits
+    clean = pick_total_tokens({0: 1.0, 4: 1.0, 8: 1.05, 16: 1.1, 32: 1.35, 60: 1.9}, candidates, 1.3)
+    assert (clean.m, clean.not_monotonic) == (16, [])

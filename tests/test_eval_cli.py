@@ -124,6 +124,9 @@ def test_run_eval_in_process_sampling_auto_budget(tmp_path, tiny_target_dir: Pat
     report = run_eval(cfg, progress=False)
     assert report["decode"]["total_tokens"] in (2, 3)
     assert set(report["decode"]["total_tokens_timings_s"]) == {0, 2, 3}
+    choice = report["decode"]["total_tokens_choice"]  # what was chosen and why, in the report and the summary
+    assert choice["m"] == report["decode"]["total_tokens"] and choice["reason"].startswith(f"m={choice['m']}")
+    assert f"auto total_tokens: {choice['reason']}" in format_summary(report)
     assert report["speedup"] is None and "outputs_identical_to_baseline" not in report
     assert len(report["samples"]) == 1 and 1 <= len(report["samples"][0]["output_token_ids"]) <= 6
     saved = json.loads((tmp_path / "o" / "report.json").read_text())

@@ -97,7 +97,7 @@ def test_choose_total_tokens_returns_a_candidate(setup) -> None:
     from eval.budget import choose_total_tokens
 
     runner, *_ = setup
-    m, timings = choose_total_tokens(runner, [2, 4, 8], tolerance=1e9, context_len=16, repeats=1)
-    assert m == 8 and set(timings) == {0, 2, 4, 8} and all(t > 0 for t in timings.values())
-    m, _ = choose_total_tokens(runner, [2, 4, 8], tolerance=1e-9, context_len=16, repeats=1)
-    assert m == 2  # nothing fits: the smallest candidate
+    choice = choose_total_tokens(runner, [2, 4, 8], tolerance=1e9, context_len=16, repeats=1)
+    assert choice.m == 8 and set(choice.timings) == {0, 2, 4, 8} and all(t > 0 for t in choice.timings.values())
+    choice = choose_total_tokens(runner, [2, 4, 8], tolerance=1e-9, context_len=16, repeats=1)
+    assert choice.m == 2 and not choice.within_tolerance  # nothing fits: the smallest candidate, and it says so
