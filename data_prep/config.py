@@ -41,6 +41,9 @@ class CaptureConfig:
     taps_dtype: str = "bfloat16"  # bfloat16 | float8_e4m3fn
     batch_tokens: int = 8192  # padded tokens per target forward
     tokens_per_shard: int = 1 << 20
+    # >1: the target split over groups of this many ranks by transformers' tensor-parallel plan (torchrun); each
+    # group captures its share of the samples once, its first rank writes the shards (world % size == 0)
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -89,6 +92,8 @@ class PrepConfig:
             raise ValueError(f"draft_vocab_count must be dataset|train, got {self.draft_vocab_count!r}")
         if not 0.0 <= self.draft_vocab_train_weight <= 1.0:
             raise ValueError(f"draft_vocab_train_weight must be in [0, 1], got {self.draft_vocab_train_weight}")
+        if self.capture.tensor_parallel_size < 1:
+            raise ValueError(f"capture.tensor_parallel_size must be >= 1, got {self.capture.tensor_parallel_size}")
         if self.max_length < 8:
             raise ValueError("max_length must be >= 8")
 

@@ -22,7 +22,10 @@ ids) and a tokenizer without a chat template; right after, before any regenerati
 on a probe batch that the head and taps the prep stores reproduce the target's own computation.
 
 Work is split across torchrun ranks by position (sample i goes to rank i % world); each rank writes
-its own shards and the last step (rank 0) merges the manifests. Every stage resumes: finished
+its own shards and the last step (rank 0) merges the manifests. With capture.tensor_parallel_size=t the target is
+split over groups of t consecutive ranks (transformers' tensor-parallel plan) and the samples over the world/t
+groups instead: every rank of a group runs the group's forwards, its first rank writes the group's files (as rank
+r = rank // t of world/t). Every stage resumes: finished
 regenerations and already-written samples are skipped on a rerun.
 """
 
@@ -70,7 +73,15 @@ from data_prep.shards import (
     write_prep_summary,
     writing,
 )
-from data_prep.targets import TargetPreset, load_target, load_target_config, load_tokenizer, resolve_target
+from data_prep.targets import (
+    TargetPreset,
+    check_tensor_parallel,
+    load_target,
+    load_target_config,
+    load_tokenizer,
+    resolve_target,
+    tensor_parallel_group,
+)
 from data_prep.vocab import (
     VOCAB_FILE,
     build_draft_vocab,
@@ -240,29 +251,60 @@ def length_batches(samples: list[Rendered], batch_tokens: int) -> list[list[Rend
     return batches
 
 
-def capture_split(cfg, head, capture, spec, samples, root: Path, rank: int, device: str) -> dict:
-    writer = ShardWriter(root, spec, rank=rank, tokens_per_shard=cfg.capture.tokens_per_shard)
+def capture_split(cfg, head, capture, spec, samples, root: Path, rank: int, device: str, group=None) -> dict:
+    """Capture `samples` into this rank's shards (`rank`: the shard files' rank). `group`: a tensor-parallel group
+    (capture.tensor_parallel_size > 1): its ranks hold the same samples and run the same forwards together; its
+    first rank writes them."""
+    write = group is None or dist.get_rank(group) == 0
+    writer = ShardWriter(root, spec, rank=rank, tokens_per_shard=cfg.capture.tokens_per_shard) if write else None
     done = completed_sample_ids(root)
+    if group is not None:  # the writer's record decides what is left, so every rank of the group runs the same batches
+        box = [done]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        done = box[0]
     todo = [s for s in samples if s.conversation_id not in done]
     tokens, start = 0, time.perf_counter()
     bar = tqdm(total=sum(len(s.input_ids) for s in todo), unit="tok", desc=f"capture {root.name} r{rank}",
                disable=rank != 0)
     for batch in length_batches(todo, cfg.capture.batch_tokens):
         for sample in capture_samples(capture, head, spec, batch, device):
-            writer.add(sample)
+            if writer is not None:
+                writer.add(sample)
             tokens += len(sample)
         bar.update(sum(len(s.input_ids) for s in batch))
     bar.close()
-    writer.close()
+    if writer is not None:
+        writer.close()
     return {"samples": len(todo), "tokens": tokens, "seconds": time.perf_counter() - start,
-            "skipped_already_done": len(samples) - len(todo), "bytes_written": writer.bytes_written}
+            "skipped_already_done": len(samples) - len(todo), "bytes_written": writer.bytes_written if write else 0}
+
+
+def _regen_path(out: Path, split: str, part: int, group, seed: int) -> Path:
+    """Where this rank's regeneration of `split` goes: out/regen/{split}.r{part}.jsonl. In a tensor-parallel group
+    every rank generates (the forwards are collective) and its first rank writes that file; the others write a copy
+    of it, taken before anyone starts, so a resumed run skips the same conversations on every rank of the group;
+    and the same seed makes a sampled reply (regen.temperature > 0) the same on each."""
+    path = out / "regen" / f"{split}.r{part}.jsonl"
+    if group is None:
+        return path
+    torch.manual_seed(seed + part)
+    dist.barrier(group=group)
+    if dist.get_rank(group) != 0:
+        mirror = out / "regen" / ".tensor_parallel" / f"{split}.r{part}.t{dist.get_rank(group)}.jsonl"
+        mirror.parent.mkdir(parents=True, exist_ok=True)
+        mirror.write_bytes(path.read_bytes() if path.exists() else b"")
+        path = mirror
+    dist.barrier(group=group)
+    return path
+
 
 
 def save_target_files(head: TargetHead, model, tokenizer, out: Path) -> None:
     with writing(out / TARGET_HEAD_FILE):
         head.save(out / TARGET_HEAD_FILE, dtype=torch.float32)
     with writing(out / TARGET_CONFIG_FILE):
-        (out / TARGET_CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=1, default=str))
+        config = {k: v for k, v in model.config.to_dict().items() if k != "distributed_config"}  # how it was loaded
+        (out / TARGET_CONFIG_FILE).write_text(json.dumps(config, indent=1, default=str))
     with writing(out / "tokenizer"):
         tokenizer.save_pretrained(out / "tokenizer")
 
@@ -273,6 +315,8 @@ def preflight(cfg: PrepConfig, preset: TargetPreset, tap_layers: list[int]) -> N
     same checks the drafter config runs when training builds it)."""
     load_tokenizer(preset, cfg.chat_template)
     config = load_target_config(preset)
+    check_tensor_parallel(config, cfg.capture.tensor_parallel_size, int(os.environ.get("WORLD_SIZE", 1)),
+                          f"target {preset.name!r}, capture.tensor_parallel_size")
     try:
         check_target(config, tap_layers)
     except ValueError as e:
@@ -429,7 +473,11 @@ def run(cfg: PrepConfig) -> dict | None:
 
     splits, loader_skips = select_conversations(cfg)
     preflight(cfg, preset, tap_layers)
-    model, tokenizer = load_target(preset, cfg.dtype, device, chat_template=cfg.chat_template)
+    tp_size = cfg.capture.tensor_parallel_size
+    model, tokenizer = load_target(preset, cfg.dtype, device, chat_template=cfg.chat_template, tensor_parallel=tp_size)
+    # tensor parallel: the samples are split over the groups (part `part` of `parts`); a group's first rank writes
+    group = tensor_parallel_group(model)
+    part, parts, writes = rank // tp_size, world // tp_size, rank % tp_size == 0
     head = TargetHead.from_hf_model(model)
     spec = ShardSpec(
         target={"id": preset.hf_id, "revision": preset.revision, "architecture": model.config.architectures[0]
@@ -455,29 +503,31 @@ def run(cfg: PrepConfig) -> dict | None:
         if rank == 0:
             print_fidelity(fidelity)
         for split in SPLITS:
-            mine = splits[split][rank::world]
+            mine = splits[split][part::parts]
             if cfg.regen.enabled:
                 mine, too_long = plan_regeneration(cfg, preset, tokenizer, mine)
                 counts["regen: first prompt leaves no room for a reply under max_length"] += too_long
-                path = out / "regen" / f"{split}.r{rank}.jsonl"
+                path = _regen_path(out, split, part, group, cfg.seed)
                 mine, regen_summary[split] = regenerate_split(cfg, preset, model, tokenizer, mine, path)
             rendered, render_counts = render_all(cfg, tokenizer, mine, preset)
             counts.update(render_counts)
             rendered = capture_order(rendered)
-            write_split(out, split, rank, world, rendered)  # what online training reads (data_prep/rendered.py)
+            if writes:  # what online training reads (data_prep/rendered.py)
+                write_split(out, split, part, parts, rendered)
             if cfg.stage == "render":
                 continue
-            stats = capture_split(cfg, head, capture, spec, rendered, out / split, rank, device)
+            stats = capture_split(cfg, head, capture, spec, rendered, out / split, part, device, group)
             counts["captured_tokens"] += stats["tokens"]
             capture_seconds += stats["seconds"]
-    if cfg.draft_vocab_count == "dataset":
-        part = dataset_token_counts(cfg, tokenizer, splits["pool"], preset, spec.vocab_size, rank, world)
-        save_file({"counts": part}, str(out / f"dataset_counts.r{rank}.safetensors"))
-    (out / f"summary.r{rank}.json").write_text(json.dumps(
-        {"counts": counts, "loader_skips": loader_skips, "regen": regen_summary,
-         "capture_seconds": capture_seconds, "fidelity": fidelity}, default=dict))
+    if cfg.draft_vocab_count == "dataset" and writes:
+        share = dataset_token_counts(cfg, tokenizer, splits["pool"], preset, spec.vocab_size, part, parts)
+        save_file({"counts": share}, str(out / f"dataset_counts.r{part}.safetensors"))
+    if writes:
+        (out / f"summary.r{part}.json").write_text(json.dumps(
+            {"counts": counts, "loader_skips": loader_skips, "regen": regen_summary,
+             "capture_seconds": capture_seconds, "fidelity": fidelity}, default=dict))
     _barrier(world)
-    summary = finish(cfg, out, spec, head, model, tokenizer, world) if rank == 0 else None
+    summary = finish(cfg, out, spec, head, model, tokenizer, parts) if rank == 0 else None
     _barrier(world)
     if rank == 0:
         print_summary(summary, out)

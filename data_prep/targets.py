@@ -230,24 +230,113 @@ def _revision(preset: TargetPreset) -> str | None:
     return None if preset.local_path or preset.embedded else preset.revision
 
 
+def check_tensor_parallel(config: dict, size: int, world: int, where: str) -> None:
+    """ValueError, before any weight loads, when transformers' tensor-parallel plan cannot split this target over
+    groups of `size` ranks out of `world`: the plan shards attention by heads (q/k/v column-wise, o row-wise) and
+    the MLP by its intermediate size, so both head counts and that size must divide by `size`, and the groups
+    must tile the world. `config`: the target's HF config (config.json alone)."""
+    if size == 1:
+        check_world(size, world, where)
+        return
+    text = config.get("text_config", config)
+    heads = text.get("num_attention_heads")
+    kv_heads = text.get("num_key_value_heads") or heads
+    inter = text.get("intermediate_size")
+    bad = [f"{name} {n}" for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
+                                         ("intermediate_size", inter)) if isinstance(n, int) and n % size]
+    if heads is None or bad:
+        allowed = [d for d in range(1, world + 1) if world % d == 0 and all(
+            not isinstance(n, int) or n % d == 0 for n in (heads, kv_heads, inter))]
+        raise ValueError(f"{where}: tensor-parallel size {size} does not split this target "
+                         f"({heads} query / {kv_heads} KV heads, intermediate size {inter}): "
+                         f"{', '.join(bad) or 'no head count in its config'} not divisible by {size}; "
+                         f"sizes that work with {world} process(es): {allowed}")
+    check_world(size, world, where)
+
+
+def check_world(size: int, world: int, where: str) -> None:
+    """ValueError unless groups of `size` ranks tile a world of `world` processes."""
+    if size < 1:
+        raise ValueError(f"{where}: a tensor-parallel size must be >= 1, got {size}")
+    if size > world or world % size:
+        raise ValueError(f"{where}: tensor-parallel size {size} with {world} process(es): the groups of {size} ranks "
+                         f"must tile the world ({'larger than it' if size > world else 'it does not divide it'}); "
+                         f"run with a multiple of {size} processes")
+
+
 def load_target(preset: TargetPreset, dtype: str | None = None, device: str | None = None,
-                chat_template: str | None = None):
+                chat_template: str | None = None, tensor_parallel: int = 1):
     """Return (model, tokenizer), the tokenizer first (a missing chat template stops before the weights load).
-    Large targets shard over all visible GPUs with device_map."""
+    Large targets shard over all visible GPUs with device_map; `tensor_parallel` > 1: transformers' own
+    tensor-parallel plan over groups of that many consecutive ranks (torch.distributed initialised; each rank
+    reads only its slices of the checkpoint; see `_load_tensor_parallel`)."""
     tokenizer = load_tokenizer(preset, chat_template)
     with _named_load_errors(preset):
+        if tensor_parallel > 1:
+            return _load_tensor_parallel(preset, dtype, tensor_parallel), tokenizer
         return _load_model(preset, dtype, device), tokenizer
+
+
+def _model_kwargs(preset: TargetPreset, dtype: str | None) -> dict:
+    kwargs: dict = {"dtype": getattr(torch, dtype or preset.dtype), "revision": _revision(preset)}
+    if preset.attn_implementation:
+        kwargs["attn_implementation"] = preset.attn_implementation
+    return kwargs
 
 
 def _load_model(preset: TargetPreset, dtype: str | None, device: str | None):
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict = {"dtype": getattr(torch, dtype or preset.dtype), "revision": _revision(preset)}
-    if preset.attn_implementation:
-        kwargs["attn_implementation"] = preset.attn_implementation
+    kwargs = _model_kwargs(preset, dtype)
     if preset.device_map and torch.cuda.is_available() and device is None:
         kwargs["device_map"] = preset.device_map
     model = AutoModelForCausalLM.from_pretrained(model_path(preset), **kwargs)
     if "device_map" not in kwargs:
         model.to(device or "cpu")
     return model.eval().requires_grad_(False)
+
+
+def _load_tensor_parallel(preset: TargetPreset, dtype: str | None, size: int):
+    """transformers' tensor-parallel load (DistributedConfig(tp_size=size): the model's own tp_plan, DTensor
+    parameters, each rank reading only its slices). transformers lays its mesh over the whole world; where the world
+    holds several groups (world > size), the class's `prepare_distribute_model` hook builds the same mesh with a
+    replicated data-parallel dimension of world/size in front, so that the plan applies within each group of
+    `size` consecutive ranks and nothing else (no FSDP) is applied across groups."""
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    world = dist.get_world_size()
+    path = model_path(preset)
+    kwargs = _model_kwargs(preset, dtype)
+    config = AutoConfig.from_pretrained(path, revision=kwargs["revision"])
+    check_tensor_parallel(config.to_dict(), size, world, f"target {preset.name!r}")
+    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    if world > size:
+        cls = type(cls.__name__, (cls,), {"prepare_distribute_model": classmethod(
+            lambda klass, distributed_config, device_map=None: _grouped_mesh(distributed_config, world // size))})
+    model = cls.from_pretrained(path, config=config, distributed_config=DistributedConfig(tp_size=size), **kwargs)
+    return model.eval().requires_grad_(False)
+
+
+def _grouped_mesh(distributed_config, groups: int):
+    """(distributed_config, device_map, mesh manager) as transformers' initialize_distributed_mesh makes them, with
+    `groups` on its dp_replicate dimension: tensor-parallel groups of consecutive ranks."""
+    from transformers.distributed.utils import TransformersDeviceMesh, _bind_local_device
+
+    c = distributed_config
+    device_type = torch._C._get_accelerator().type
+    device_map = _bind_local_device(device_type, int(os.environ.get("LOCAL_RANK", 0)))
+    dense = torch.distributed.init_device_mesh(device_type, (1, groups, 1, c.tp_size),
+                                               mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
+    expert = torch.distributed.init_device_mesh(device_type, (1, groups, 1, 1),
+                                                mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
+    return c, device_map, TransformersDeviceMesh(dense, expert)
+
+
+def tensor_parallel_group(model):
+    """The process group of a tensor-parallel model's ranks (its mesh's tp dimension); None for a whole copy."""
+    manager = getattr(model, "_mesh_manager", None)
+    if manager is None or getattr(model, "_tp_size", 1) in (None, 1):
+        return None
+    return manager.get_mesh("tp").get_group()

@@ -249,7 +249,9 @@ class TargetHead(nn.Module):
         t.update({f"norm.{k}": v for k, v in final_norm(model).state_dict().items()})
         cfg = model.config.get_text_config().to_dict()  # type: ignore[union-attr, operator]
         cfg["tie_word_embeddings"] = out.weight is emb.weight
-        return cls._from_tensors({k: v.detach() for k, v in t.items()}, cfg, spec)
+        # a tensor-parallel target (DTensor parameters) gives its whole tensors: a collective over its group
+        whole = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in t.items()}
+        return cls._from_tensors({k: v.detach() for k, v in whole.items()}, cfg, spec)
 
     def save(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
         """Every tensor once, `dtype` None: as held. A tied LM head is the embedding (stored once; the metadata

@@ -24,7 +24,7 @@ DIST_BACKENDS = ("auto", "nccl", "gloo")
 WANDB_MODES = ("offline", "online", "disabled")
 OVERFLOW = ("truncate", "split")
 SOURCES = ("offline", "online", "hybrid")  # data.source: train/online.py
-PLACEMENTS = ("replicate", "zero3")  # data.target_placement
+PLACEMENTS = ("replicate", "zero3", "tp")  # data.target_placement
 LOSS_TOKENS = ("assistant", "all")  # data.loss_tokens
 SCHEDULES = ("cosine", "wsd")
 ACCEPT_KINDS = ("none", "tv", "log")  # train.accept_loss: train/loss.py AcceptTerm
@@ -109,8 +109,10 @@ class DataConfig:
     target: str | None = None
     # online|hybrid: where the frozen target lives. replicate: a whole copy on every rank's device. zero3: DeepSpeed
     # ZeRO-3 partitions its weights over the ranks and gathers each layer for its forward (every rank runs every
-    # forward: one per micro-batch).
+    # forward: one per micro-batch), loaded already partitioned. tp: transformers' tensor-parallel plan over groups of
+    # data.target_tp_size ranks; a group's ranks gather their samples and run one forward over them together.
     target_placement: str = "replicate"
+    target_tp_size: int | None = None  # data.target_placement=tp: ranks per group; None = the whole world
     # data.source=hybrid: tokens per shard it writes (prep's capture.tokens_per_shard)
     hybrid_tokens_per_shard: int = 1 << 20
     # Which rows of the TRAIN split are loss targets. assistant: the prep's loss mask (the assistant's replies).
@@ -281,6 +283,12 @@ class RunConfig:
         _one_of("data.overflow", d.overflow, OVERFLOW)
         _one_of("data.source", d.source, SOURCES)
         _one_of("data.target_placement", d.target_placement, PLACEMENTS)
+        if d.target_placement == "tp" and ds.sequence_parallel_size > 1:
+            raise ConfigError("data.target_placement=tp with deepspeed.sequence_parallel_size > 1 is not supported: "
+                              "a tensor-parallel group gathers the samples of data-parallel ranks")
+        if d.target_tp_size is not None and d.target_placement != "tp":
+            raise ConfigError(f"data.target_tp_size={d.target_tp_size} is for data.target_placement=tp, not "
+                              f"{d.target_placement}")
         _one_of("data.loss_tokens", d.loss_tokens, LOSS_TOKENS)
         if d.source != "offline" and d.num_workers:
             raise ConfigError(f"data.num_workers={d.num_workers} with data.source={d.source}: the target runs in the "
@@ -347,6 +355,13 @@ class RunConfig:
             )
         self._validate_long_context()
         if world_size is not None:
+            if d.target_placement == "tp" and d.source != "offline":
+                from data_prep.targets import check_world
+
+                try:  # the heads are checked against the target's config.json when the target is resolved
+                    check_world(d.target_tp_size or world_size, world_size, "data.target_tp_size")
+                except ValueError as e:
+                    raise ConfigError(str(e)) from e
             sp = ds.sequence_parallel_size
             if world_size % sp:
                 raise ConfigError(f"deepspeed.sequence_parallel_size={sp} must divide the world size {world_size}")

@@ -29,6 +29,7 @@ scaling is the sum over ranks that a sequence split over ranks needs (each rank'
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -161,8 +162,14 @@ def partition_frozen(module: nn.Module, ds_cfg: DeepSpeedConfig) -> Any:
     a collected engine removes those hooks (DeepSpeedEngine.__del__)."""
     import deepspeed
 
-    dtype = next(module.parameters()).dtype
-    config = {
+    config = _frozen_config(next(module.parameters()).dtype, ds_cfg)
+    engine, *_ = deepspeed.initialize(model=module.to(device()), config=config, dist_init_required=False)
+    engine.eval()
+    return engine
+
+
+def _frozen_config(dtype: torch.dtype, ds_cfg: DeepSpeedConfig) -> dict:
+    return {
         "train_micro_batch_size_per_gpu": 1,
         "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0,
                               "stage3_param_persistence_threshold": ds_cfg.stage3_param_persistence_threshold},
@@ -170,9 +177,37 @@ def partition_frozen(module: nn.Module, ds_cfg: DeepSpeedConfig) -> Any:
         "fp16": {"enabled": dtype == torch.float16},
         "steps_per_print": 1 << 30,
     }
-    engine, *_ = deepspeed.initialize(model=module.to(device()), config=config, dist_init_required=False)
-    engine.eval()
-    return engine
+
+
+@contextlib.contextmanager
+def partitioned_at_load(dtype: torch.dtype, ds_cfg: DeepSpeedConfig) -> Iterator[None]:
+    """Inside, transformers' from_pretrained builds the model under deepspeed.zero.Init and loads its checkpoint
+    straight into ZeRO-3 partitioned parameters (its DeepSpeed integration: an HfDeepSpeedConfig with a stage-3
+    config, alive while it loads), so no rank ever holds the whole target; `partition_frozen` then wraps it. The
+    config is dropped on exit: later from_pretrained calls load whole copies again."""
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    alive = HfDeepSpeedConfig(_frozen_config(dtype, ds_cfg))  # transformers keeps only a weak reference
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        del alive
+
+
+@contextlib.contextmanager
+def gathered(params: Sequence[nn.Parameter]) -> Iterator[None]:
+    """ZeRO-3 partitioned parameters whole inside (a collective); plain tensors pass through."""
+    import deepspeed
+
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None) if partitioned else contextlib.nullcontext():
+        yield
+
+
+def full_shape(param: Tensor) -> torch.Size:
+    """A parameter's shape, also when ZeRO-3 partitioned it (its local tensor is then empty)."""
+    return getattr(param, "ds_shape", param.shape)
 
 
 # ----------------------------------------------------------------------------------------- the engine

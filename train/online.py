@@ -23,6 +23,7 @@ out of its range.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from collections.abc import Callable
@@ -46,7 +47,7 @@ from data_prep.shards import (
     finished_prep,
     merge_manifests,
 )
-from train.config import DataConfig, RunConfig
+from train.config import DataConfig, DeepSpeedConfig, RunConfig
 
 CAPTURED_DIR = "captured"  # <out_dir>/captured/train: a hybrid run's shard set
 
@@ -65,12 +66,24 @@ class FrozenTarget:
     spec: ShardSpec
     device: torch.device
     placement: object = None  # what keeps a ZeRO-3 partitioning alive (its DeepSpeed engine); None: a whole copy
+    group: object = None  # data.target_placement=tp: the process group the target is split over
 
     def samples(self, rendered: list[Rendered]) -> list[Sample]:
-        """The samples as prep's capture writes them (the target's dtype), from ONE forward over `rendered`."""
+        """The samples as prep's capture writes them (the target's dtype), from ONE forward over `rendered`; split
+        over a tensor-parallel group, ONE forward over what every rank of the group passes (a collective: each rank
+        calls it as often as the others), and this rank keeps its own."""
         from data_prep.capture import capture_samples
 
-        return capture_samples(self.capture, self.head, self.spec, rendered, self.device)
+        if self.group is None:
+            return capture_samples(self.capture, self.head, self.spec, rendered, self.device)
+        import torch.distributed as dist
+
+        parts: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(parts, rendered, group=self.group)
+        every = [r for part in parts for r in part]
+        got = capture_samples(self.capture, self.head, self.spec, every, self.device) if every else []
+        start = sum(len(part) for part in parts[: dist.get_rank(self.group)])
+        return got[start : start + len(rendered)]
 
 
 def check_target_config(config: dict, tokenizer, spec: ShardSpec, where: str) -> None:
@@ -99,11 +112,23 @@ def check_target_config(config: dict, tokenizer, spec: ShardSpec, where: str) ->
 
 
 def load_frozen_target(rendered: RenderedSet, cfg: DataConfig, device: torch.device,
-                       partition: Callable[[nn.Module], object] | None = None) -> FrozenTarget:
+                       partition: Callable[[nn.Module], object] | None = None,
+                       ds_cfg: DeepSpeedConfig | None = None) -> FrozenTarget:
     """The frozen target for online training: data.target or the prep's own (rendered/spec.json), checked against
-    the prep before its weights load, placed per data.target_placement (`partition`: ZeRO-3, train/engine.py)."""
+    the prep before its weights load, placed per data.target_placement: replicate (a whole copy), zero3 (`partition`,
+    train/engine.py: loaded already partitioned, under `ds_cfg`) or tp (transformers' tensor-parallel plan over
+    groups of data.target_tp_size ranks; the target's heads are checked from its config first)."""
+    import torch.distributed as dist
+
     from data_prep.capture import HiddenStateCapture, base_model
-    from data_prep.targets import load_target, load_target_config, load_tokenizer, resolve_target
+    from data_prep.targets import (
+        check_tensor_parallel,
+        load_target,
+        load_target_config,
+        load_tokenizer,
+        resolve_target,
+        tensor_parallel_group,
+    )
     from models.target_head import TargetHead
 
     source: TargetSource = rendered.target_source
@@ -112,19 +137,39 @@ def load_frozen_target(rendered: RenderedSet, cfg: DataConfig, device: torch.dev
     preset = resolve_target(ref)
     tokenizer = load_tokenizer(preset, source.chat_template)
     spec = rendered.spec
-    check_target_config(load_target_config(preset), tokenizer, spec, where)
-    # ZeRO-3 gathers on the ranks' devices; a whole copy goes straight to this rank's
-    model, _ = load_target(preset, source.dtype, "cpu" if partition else str(device), chat_template=source.chat_template)
-    rows = model.get_output_embeddings().weight.shape[0]
+    config = load_target_config(preset)
+    check_target_config(config, tokenizer, spec, where)
+    tp_size = 1
+    if cfg.target_placement == "tp":
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        tp_size = cfg.target_tp_size or world
+        check_tensor_parallel(config, tp_size, world, f"{where}, data.target_tp_size")
+    if partition is not None:  # ZeRO-3: partitioned as it loads (on the ranks' devices), never a whole copy per rank
+        from train.engine import full_shape, gathered, partitioned_at_load
+
+        dtype = getattr(torch, source.dtype or preset.dtype)
+        with partitioned_at_load(dtype, ds_cfg or DeepSpeedConfig()):
+            model, _ = load_target(preset, source.dtype, "cpu", chat_template=source.chat_template)
+    else:  # a whole copy goes straight to this rank's device; a tensor-parallel one to each rank's slice of it
+        model, _ = load_target(preset, source.dtype, str(device), chat_template=source.chat_template,
+                               tensor_parallel=tp_size)
+    weight = model.get_output_embeddings().weight
+    rows = (full_shape(weight) if partition is not None else weight.shape)[0]
     if rows != spec.vocab_size:
         raise TargetMismatch(f"{where}: LM head of {rows} rows, the prep's has {spec.vocab_size}")
     head = None
-    if spec.teacher != "hidden":  # its own copy: ZeRO-3 partitions the tensors from_hf_model shares
-        head = copy.deepcopy(TargetHead.from_hf_model(model)).to(device)
-    # the LM head stays whole: capture never calls it
+    if spec.teacher != "hidden":  # its own whole copy (gathered from the ZeRO-3 or tensor-parallel shards)
+        from models.target_head import final_norm
+
+        whole = contextlib.nullcontext()
+        if partition is not None:
+            whole = gathered([model.get_input_embeddings().weight, weight, *final_norm(model).parameters()])
+        with whole:
+            head = copy.deepcopy(TargetHead.from_hf_model(model)).to(device)
+    # the LM head stays out of the ZeRO-3 engine: capture never calls it
     placement = partition(base_model(model)) if partition is not None else None
     capture = HiddenStateCapture(model, spec.tap_layers).__enter__()
-    return FrozenTarget(model, capture, head, spec, device, placement)
+    return FrozenTarget(model, capture, head, spec, device, placement, tensor_parallel_group(model))
 
 
 class OnlineSamples:
@@ -340,9 +385,10 @@ def sample_sources(cfg: RunConfig, run_dir: Path, rank: int, world: int, device:
     train_rendered, eval_rendered = rendered_splits(prep)
     if eval_rendered is not None and asdict(eval_rendered.spec) != asdict(train_rendered.spec):
         raise ShardError(f"{prep}/rendered: the train and eval splits were rendered for different captures")
-    target = load_frozen_target(train_rendered, d, device, partition)
+    target = load_frozen_target(train_rendered, d, device, partition, cfg.deepspeed)
     truncate = d.max_len if d.overflow == "truncate" else None
-    batched = d.target_placement == "zero3"  # every rank the same number of forwards
+    # zero3: every rank the same number of forwards; tp: one forward over the group's samples (FrozenTarget.samples)
+    batched = d.target_placement in ("zero3", "tp")
     held_out = OnlineSamples(eval_rendered, target, truncate, batched) if eval_rendered is not None else None
     if d.source == "online":
         return OnlineSamples(train_rendered, target, truncate, batched), held_out
