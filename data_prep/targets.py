@@ -99,7 +99,7 @@ def resolve_target(ref: str | None) -> TargetPreset:
 
         config = AutoConfig.from_pretrained(ref).to_dict()
     except OSError as e:
-        raise ValueError(
+        raise UnknownTarget(
             f"target {ref!r} is neither a preset ({', '.join(list_presets())}), a local directory, "
             f"nor a reachable hub id: {e}\n{_hub_remedy(ref)}"
         ) from e
@@ -187,6 +187,10 @@ def model_path(preset: TargetPreset) -> str:
 
 class TargetUnavailable(OSError):
     """A target (weights, tokenizer or config) that could not be loaded; the message names it and the remedy."""
+
+
+class UnknownTarget(ValueError):
+    """A target reference that is neither a preset, a local directory nor a reachable hub id (resolve_target)."""
 
 
 @contextmanager

@@ -32,6 +32,7 @@ USER_ERROR = 2  # the exit status of a known user error (argparse uses 2 for usa
 USER_ERRORS = (
     "data_prep.config:ConfigError",  # train.config raises the same class
     "data_prep.targets:TargetUnavailable",
+    "data_prep.targets:UnknownTarget",
     "data_prep.shards:ShardError",
     "data_prep.dirlock:DirLocked",  # another process holds the run or prep directory
     "data_prep.fidelity:FidelityError",

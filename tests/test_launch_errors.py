@@ -71,14 +71,19 @@ def test_a_user_error_is_one_line_and_exit_2_a_bug_keeps_its_traceback(monkeypat
 
 
 @pytest.mark.parametrize(("script", "overrides", "message"), [
-    ("prep.py", ["+max_lenght=64", "out=unused"], "config error: unknown config key 'max_lenght'"),
-    ("prep.py", ["max_lenght=64", "out=unused"], "config error: Could not override 'max_lenght'"),
-    ("eval.py", ["out_dir=unused"], "config error: Structured config of type `EvalConfig` has missing mandatory value: drafter"),
-    ("export.py", ["checkpoint=/nonexistent/run", "out=/nonexistent/export"], "/nonexistent/run"),
-    ("train.py", ["data.dir=/nonexistent/prep", "out_dir=/nonexistent/run"], "/nonexistent"),
-], ids=["prep-unknown-key", "prep-override", "eval-missing-value", "export-missing-checkpoint", "train-missing-prep"])
-def test_every_launcher_reports_a_user_error_once(script: str, overrides: list[str], message: str) -> None:
-    r = _launch(script, *overrides)
+    ("prep.py", ["+max_lenght=64", "out={tmp}/prep"], "config error: unknown config key 'max_lenght'"),
+    ("prep.py", ["max_lenght=64", "out={tmp}/prep"], "config error: Could not override 'max_lenght'"),
+    ("prep.py", ["model=nobody/nothing-here", "out={tmp}/prep"],
+     "error: target 'nobody/nothing-here' is neither a preset"),
+    ("eval.py", ["out_dir={tmp}/eval"],
+     "config error: Structured config of type `EvalConfig` has missing mandatory value: drafter"),
+    ("export.py", ["checkpoint={tmp}/run", "out={tmp}/export"], "/run"),
+    ("train.py", ["data.dir={tmp}/prep", "out_dir={tmp}/run"], "/prep"),
+], ids=["prep-unknown-key", "prep-override", "prep-unknown-target", "eval-missing-value", "export-missing-checkpoint",
+        "train-missing-prep"])
+def test_every_launcher_reports_a_user_error_once(tmp_path: Path, script: str, overrides: list[str],
+                                                  message: str) -> None:
+    r = _launch(script, *(o.format(tmp=tmp_path) for o in overrides))
     lines = [line for line in r.stderr.splitlines() if "accelerator" not in line]  # DeepSpeed's import-time note
     assert r.returncode == USER_ERROR, r.stderr[-3000:]
     assert message in r.stderr and "Traceback" not in r.stderr and "Error executing job" not in r.stderr, r.stderr
