@@ -14,11 +14,13 @@ machines of a multi-node job where the shared filesystem supports it (NFSv4, Lus
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import pickle
 import socket
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -48,6 +50,14 @@ class DirLock:
             raise DirLocked(f"{self.directory}: another {self.what} writes this directory (held by "
                             f"{_holder(self.path)}, lock file {self.path}); wait for it to end or stop it, "
                             "or choose another directory") from None
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            # a filesystem without locks (some NFS mounts): say so rather than refuse every run on it
+            warnings.warn(f"{self.directory}: this filesystem does not support flock ({e.strerror}); a second "
+                          f"{self.what} into this directory would not be refused", stacklevel=2)
+            return self
         os.ftruncate(fd, 0)
         os.write(fd, f"host={socket.gethostname()} pid={os.getpid()}\n".encode())
         os.fsync(fd)

@@ -9,7 +9,8 @@
     # multi-node: torchrun's own rendezvous options, same command on every node
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint <host0>:29500 \
         --rdzv_id run1 launch/train.py +exp=eagle3_ttt data.dir=<shared fs> out_dir=<shared fs>
-    # resume (any world size): the same command plus train.resume=true
+    # resume (any world size): the same command plus train.resume=true (the sample-order and schedule settings
+    # must match the run's); a fresh run refuses an out_dir holding another run: train.overwrite=true clears it
     # the frozen target inside training instead of reading shards (train/online.py); any prep,
     # one made with stage=render (no shards) too
     torchrun --nproc_per_node 8 launch/train.py +exp=eagle3_ttt data.dir=... data.source=online out_dir=...

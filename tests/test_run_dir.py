@@ -254,6 +254,18 @@ def test_a_second_writer_is_refused_naming_the_holder_until_it_dies(tmp_path: Pa
         assert lock.path == tmp_path / LOCK_FILE
 
 
+def test_a_filesystem_without_locks_warns_instead_of_refusing(tmp_path: Path, monkeypatch) -> None:
+    import errno
+    import fcntl
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.warns(UserWarning, match="does not support flock .* would not be refused"):
+        DirLock(tmp_path, "training").acquire().release()
+
+
 def test_a_second_torchrun_is_refused_before_any_training(tmp_path: Path) -> None:
     prep = write_synthetic_prep(tmp_path / "prep", n_train=8, n_eval=2, min_len=12, max_len=32)
     run = tmp_path / "run"
