@@ -89,6 +89,33 @@ def test_tensor_parallel_prep_writes_the_one_process_samples(tmp_path, smollm2_d
         assert torch.equal(heads[0].get_tensor(key), heads[1].get_tensor(key)), key  # gathered whole from the shards
 
 
+def test_two_tensor_parallel_groups_split_the_samples(tmp_path, tiny_target_dir, tiny_sharegpt_file) -> None:
+    """4 processes, capture.tensor_parallel_size=2 (the tiny target's 4 query / 2 KV heads): two groups of 2, each
+    capturing half of the samples and writing them as ranks 0 and 1 of 2; together the 1-process prep's samples."""
+    from conftest import run_prep
+
+    opts = {**PREP, "num_samples": 8, "eval_samples": 2, "draft_vocab_size": 32}
+    one = tmp_path / "one"
+    run_prep(one, str(tiny_target_dir), str(tiny_sharegpt_file), **opts)
+    four = tmp_path / "four"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+           str(REPO / "launch" / "prep.py"), f"model={tiny_target_dir}", f"data={tiny_sharegpt_file}",
+           f"out={four}", "capture.tensor_parallel_size=2", *(f"{k}={v}" for k, v in opts.items())]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(p.name for p in (four / "train").glob("manifest.r*.json")) == ["manifest.r0.json", "manifest.r1.json"]
+    hidden = json.loads((one / "target_config.json").read_text())["hidden_size"]
+    for split in ("train", "eval"):
+        a, b = _samples(four / split), _samples(one / split)
+        assert sorted(a) == sorted(b) and a
+        for sid, x in b.items():
+            y = a[sid]
+            assert torch.equal(y.input_ids, x.input_ids)
+            for name in ("taps", "teacher_hidden"):
+                u, v = getattr(y, name), getattr(x, name)
+                assert bool(((u.float() - v.float()).abs() <= _bf16_spacing_bound(v, hidden)).all()), (sid, name)
+
+
 @pytest.mark.parametrize("size, world, words", [
     (2, 2, ["9 query / 3 KV heads", "num_attention_heads 9", "num_key_value_heads 3", "[1]"]),
     (3, 2, ["larger than it"]),
