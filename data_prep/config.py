@@ -34,6 +34,19 @@ class RegenConfig:
 
 
 @dataclass
+class VLLMCaptureConfig:
+    """capture.engine=vllm: vLLM's own hidden-state extraction (data_prep/vllm_capture.py), one engine per prep rank."""
+
+    python: str | None = None  # the python of a vLLM install (its own venv); None: this one, if it imports vllm
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # any other vllm.LLM argument (e.g. distributed_executor_backend: ray, gpu_memory_utilization, enforce_eager)
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_pending_files: int = 64  # captured files the engine may be ahead of the shard writer (disk use)
+    chunk_tokens: int = 65536  # prompt tokens per vLLM generate call
+
+
+@dataclass
 class CaptureConfig:
     tap_layers: list[int] | None = None  # None: the preset's taps, [1, L//2 - 1, L - 4]
     teacher: str = "hidden"  # hidden (exact) | topk | argmax
@@ -44,6 +57,8 @@ class CaptureConfig:
     # >1: the target split over groups of this many ranks by transformers' tensor-parallel plan (torchrun); each
     # group captures its share of the samples once, its first rank writes the shards (world % size == 0)
     tensor_parallel_size: int = 1
+    engine: str = "hf"  # hf (transformers forward with hooks) | vllm (vLLM's hidden-state extraction)
+    vllm: VLLMCaptureConfig = field(default_factory=VLLMCaptureConfig)
 
 
 @dataclass
@@ -96,6 +111,26 @@ class PrepConfig:
             raise ValueError(f"capture.tensor_parallel_size must be >= 1, got {self.capture.tensor_parallel_size}")
         if self.max_length < 8:
             raise ValueError("max_length must be >= 8")
+        self.capture_engine_checks()
+
+    def capture_engine_checks(self) -> None:
+        c = self.capture
+        if c.engine not in ("hf", "vllm"):
+            raise ValueError(f"capture.engine must be hf|vllm, got {c.engine!r}")
+        if c.engine != "vllm":
+            return
+        if c.tensor_parallel_size != 1:
+            raise ValueError("capture.tensor_parallel_size splits the transformers target (capture.engine=hf); "
+                             "with capture.engine=vllm set capture.vllm.tensor_parallel_size")
+        for key in ("tensor_parallel_size", "pipeline_parallel_size", "max_pending_files", "chunk_tokens"):
+            if getattr(c.vllm, key) < 1:
+                raise ValueError(f"capture.vllm.{key} must be >= 1, got {getattr(c.vllm, key)}")
+        from data_prep.vllm_capture import RESERVED_ENGINE_KWARGS
+
+        taken = sorted(set(c.vllm.engine_kwargs) & set(RESERVED_ENGINE_KWARGS))
+        if taken:
+            raise ValueError(f"capture.vllm.engine_kwargs sets {taken}, which the capture sets itself (the model, "
+                             "dtype and max_model_len are prep's; the parallel sizes are capture.vllm's own keys)")
 
 
 def prep_config(raw: DictConfig) -> PrepConfig:

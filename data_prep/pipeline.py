@@ -473,6 +473,11 @@ def run(cfg: PrepConfig) -> dict | None:
 
     splits, loader_skips = select_conversations(cfg)
     preflight(cfg, preset, tap_layers)
+    vllm_python = None  # capture.engine=vllm: its python, checked before any weights load
+    if cfg.capture.engine == "vllm" and cfg.stage == "all":
+        from data_prep import vllm_capture
+
+        vllm_python = vllm_capture.ready(cfg.capture.vllm.python)
     tp_size = cfg.capture.tensor_parallel_size
     model, tokenizer = load_target(preset, cfg.dtype, device, chat_template=cfg.chat_template, tensor_parallel=tp_size)
     # tensor parallel: the samples are split over the groups (part `part` of `parts`); a group's first rank writes
@@ -497,6 +502,7 @@ def run(cfg: PrepConfig) -> dict | None:
     counts: Counter = Counter()
     regen_summary: dict = {}
     capture_seconds = 0.0
+    vllm_splits: dict = {}  # capture.engine=vllm: split -> (rendered, shard root), captured by one engine below
     with HiddenStateCapture(model, tap_layers) as capture:
         probe = probe_batch(tokenizer, splits["train"], cfg.max_length, template_kwargs(cfg, preset))
         fidelity = check_fidelity(model, head, capture, *(x.to(device) for x in probe))
@@ -516,9 +522,17 @@ def run(cfg: PrepConfig) -> dict | None:
                 write_split(out, split, part, parts, rendered)
             if cfg.stage == "render":
                 continue
+            if vllm_python is not None:
+                vllm_splits[split] = (rendered, out / split)
+                continue
             stats = capture_split(cfg, head, capture, spec, rendered, out / split, part, device, group)
             counts["captured_tokens"] += stats["tokens"]
             capture_seconds += stats["seconds"]
+        if vllm_splits:
+            vllm_stats, fidelity["vllm"] = vllm_capture.capture_prep(
+                cfg, preset, model, head, spec, tap_layers, vllm_splits, part, probe, out, vllm_python)
+            counts["captured_tokens"] += sum(st["tokens"] for st in vllm_stats.values())
+            capture_seconds += sum(st["seconds"] for st in vllm_stats.values())
     if cfg.draft_vocab_count == "dataset" and writes:
         share = dataset_token_counts(cfg, tokenizer, splits["pool"], preset, spec.vocab_size, part, parts)
         save_file({"counts": share}, str(out / f"dataset_counts.r{part}.safetensors"))

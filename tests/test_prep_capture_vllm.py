@@ -1,0 +1,232 @@
+"""capture.engine=vllm: prep's capture through vLLM's hidden-state extraction (data_prep/vllm_capture.py).
+
+Without vLLM (every `make test`): the config refusals, the layer-id mapping, the clear error when vLLM is missing
+or too old (before any weights load), and the project side (reading the connector's files, checking them,
+building the shard samples, ShardWriter, resume after a crash) against tests/vllm_standin.py, which writes the
+connector's file layout from a transformers forward.
+
+With vLLM (opt-in, `make capture-check`; DRAFTERS_VLLM_PYTHON names a vLLM install's python, like
+tests/test_prep_regen_vllm.py): the embedded target captured by the real engine against the HF capture of the
+same samples, both fp32.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_prep
+
+from data_prep.config import PrepConfig
+from data_prep.shards import ShardSet, completed_sample_ids
+from data_prep.vllm_capture import (
+    VLLMCaptureError,
+    VLLMUnavailable,
+    aux_layer_ids,
+    check_vllm,
+    resolve_python,
+)
+from data_prep.vllm_worker import MIN_VLLM
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = os.environ.get("DRAFTERS_VLLM_PYTHON", "")
+
+
+def standin(tmp_path: Path) -> str:
+    """An executable that takes the vLLM python's place (tests/vllm_standin.py under this interpreter)."""
+    path = tmp_path / "standin-python"
+    path.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{ROOT / "tests" / "vllm_standin.py"}" "$@"\n')
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+def test_layer_ids_map_taps_and_teacher_to_vllm_aux_ids() -> None:
+    # vLLM's id k is the residual stream after k layers: tap i is i+1, the last layer's output is num_layers
+    assert aux_layer_ids([1, 14, 26], 30) == ([2, 15, 27, 30], [0, 1, 2], 3)
+    assert aux_layer_ids([29, 3], 30) == ([4, 30], [1, 0], 1)  # the last layer as a tap is the teacher's column
+    with pytest.raises(ValueError, match=r"tap layers \[30\] out of range for a 30-layer target"):
+        aux_layer_ids([1, 30], 30)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"engine": "sglang"}, "capture.engine must be hf|vllm"),
+    ({"engine": "vllm", "tensor_parallel_size": 2}, "set capture.vllm.tensor_parallel_size"),
+])
+def test_config_refuses_bad_engine_settings(overrides: dict, message: str) -> None:
+    cfg = PrepConfig(out="x")
+    for k, v in overrides.items():
+        setattr(cfg.capture, k, v)
+    with pytest.raises(ValueError, match=message):
+        cfg.validate()
+
+
+def test_config_refuses_engine_kwargs_the_capture_sets_and_bad_sizes() -> None:
+    cfg = PrepConfig(out="x")
+    cfg.capture.engine = "vllm"
+    cfg.capture.vllm.engine_kwargs = {"enforce_eager": True, "speculative_config": {}}
+    with pytest.raises(ValueError, match=r"engine_kwargs sets \['speculative_config'\]"):
+        cfg.validate()
+    cfg.capture.vllm.engine_kwargs = {"enforce_eager": True}
+    cfg.capture.vllm.pipeline_parallel_size = 0
+    with pytest.raises(ValueError, match="capture.vllm.pipeline_parallel_size must be >= 1"):
+        cfg.validate()
+    cfg.capture.vllm.pipeline_parallel_size = 2
+    cfg.validate()
+
+
+def test_config_keys_are_typed_through_hydra() -> None:
+    from omegaconf import OmegaConf
+
+    from data_prep.config import ConfigError, check_keys, prep_config
+
+    raw = OmegaConf.merge(OmegaConf.structured(PrepConfig), OmegaConf.from_dotlist(
+        ["out=x", "capture.engine=vllm", "capture.vllm.tensor_parallel_size=8",
+         "capture.vllm.engine_kwargs={enforce_eager: true}"]))
+    cfg = prep_config(raw)
+    assert (cfg.capture.engine, cfg.capture.vllm.tensor_parallel_size) == ("vllm", 8)
+    assert cfg.capture.vllm.engine_kwargs == {"enforce_eager": True}
+    with pytest.raises(ConfigError, match="capture.vllm.tensor_parallel"):
+        check_keys({"capture": {"vllm": {"tensor_parallel": 2}}}, PrepConfig)
+
+
+def test_missing_vllm_is_named_before_anything_loads(tmp_path: Path, monkeypatch) -> None:
+    if VLLM_PYTHON == sys.executable:
+        pytest.skip("this interpreter has vLLM")
+    with pytest.raises(VLLMUnavailable, match="not importable by .* capture.vllm.python is not set"):
+        resolve_python(None)
+    with pytest.raises(VLLMUnavailable, match=r"capture.vllm.python='/nonexistent/python' is not an executable"):
+        resolve_python("/nonexistent/python")
+    # this venv's python runs the real worker's check: no vllm to import
+    with pytest.raises(VLLMUnavailable, match=rf"has vLLM none; the capture needs vLLM >= {MIN_VLLM}.*import vllm"):
+        check_vllm(sys.executable)
+    # an older vLLM (a package that says so, first on the path) is named with the version needed
+    fake = tmp_path / "site" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('__version__ = "0.10.1"\n')
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    with pytest.raises(VLLMUnavailable, match=rf"has vLLM 0.10.1; the capture needs vLLM >= {MIN_VLLM}"):
+        check_vllm(sys.executable)
+
+
+def test_prep_refuses_missing_vllm_before_loading_the_target(tmp_path: Path, tiny_target_dir: Path,
+                                                            tiny_sharegpt_file: Path, monkeypatch) -> None:
+    import data_prep.pipeline as pipeline
+
+    def no_load(*_a, **_k):
+        raise AssertionError("the target was loaded before the vLLM check")
+
+    monkeypatch.setattr(pipeline, "load_target", no_load)
+    with pytest.raises(VLLMUnavailable, match="capture.vllm.python='/nonexistent/python'"):
+        run_prep(tmp_path / "p", str(tiny_target_dir), str(tiny_sharegpt_file), num_samples=4, eval_samples=2,
+                 **{"regen.enabled": False, "capture.engine": "vllm", "capture.vllm.python": "/nonexistent/python"})
+    with pytest.raises(VLLMUnavailable, match="vLLM 0.9.0; the capture needs"):
+        monkeypatch.setenv("STANDIN_VERSION", "0.9.0")
+        run_prep(tmp_path / "q", str(tiny_target_dir), str(tiny_sharegpt_file), num_samples=4, eval_samples=2,
+                 **{"regen.enabled": False, "capture.engine": "vllm", "capture.vllm.python": standin(tmp_path)})
+
+
+def _samples(prep: Path, split: str) -> dict:
+    return {s.sample_id: s for s in ShardSet(prep / split)}
+
+
+def _assert_same_shards(ours_dir: Path, ref_dir: Path, teacher: str) -> None:
+    for split in ("train", "eval"):
+        ours, ref = _samples(ours_dir, split), _samples(ref_dir, split)
+        assert list(ours) == list(ref)  # the same samples in the same (capture) order
+        for sid, r in ref.items():
+            o = ours[sid]
+            assert torch.equal(o.input_ids, r.input_ids) and torch.equal(o.loss_mask, r.loss_mask)
+            # fp32 forwards of one sample (here) and of a padded batch (HF capture), stored bf16: a rounding apart
+            torch.testing.assert_close(o.taps.float(), r.taps.float(), atol=0, rtol=2 ** -7)
+            if teacher == "hidden":
+                torch.testing.assert_close(o.teacher_hidden.float(), r.teacher_hidden.float(), atol=0, rtol=2 ** -7)
+            else:
+                assert torch.equal(o.teacher_topk_ids[:, 0], r.teacher_topk_ids[:, 0])
+
+
+def test_vllm_engine_prep_writes_the_hf_capture_and_resumes(tmp_path: Path, tiny_target_dir: Path,
+                                                             tiny_sharegpt_file: Path, monkeypatch) -> None:
+    teacher = "hidden"
+    common = {"num_samples": 8, "eval_samples": 2, "regen.enabled": False, "capture.teacher": teacher,
+              "capture.tap_layers": [1, 3, 7]}  # 7: the last layer as a tap (the teacher's column)
+    hf = run_prep(tmp_path / "hf", str(tiny_target_dir), str(tiny_sharegpt_file), **common)
+    python = standin(tmp_path)
+    log = tmp_path / "asked.txt"
+    monkeypatch.setenv("STANDIN_LOG", str(log))
+    # the stand-in crashes after 2 probe files + 3 samples
+    vllm_cfg = {**common, "capture.engine": "vllm", "capture.vllm.python": python, "capture.tokens_per_shard": 1}
+    out = tmp_path / "vllm"
+    # the crash in a process of its own, as `make prep` runs (its exit frees the prep directory's lock)
+    args = [f"{k}={v}".replace(" ", "") for k, v in {**vllm_cfg, "model": tiny_target_dir, "data": tiny_sharegpt_file,
+                                                     "out": out}.items()]
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "prep.py"), *args], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "STANDIN_FAIL_AFTER": "5"}, timeout=600)
+    assert proc.returncode != 0 and "exited with 3 before finishing" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    first = log.read_text().split()
+    written = completed_sample_ids(out / "train") | completed_sample_ids(out / "eval")
+    assert len(written) == 3  # one sample per shard: each recorded as soon as it is written
+    log.unlink()
+    summary = run_prep(out, str(tiny_target_dir), str(tiny_sharegpt_file), **vllm_cfg)
+    second = log.read_text().split()
+    asked = [k.split(":", 2)[2] for k in second if k.startswith("sample:")]
+    assert not set(asked) & written and len(asked) == len(first) - 2 - 3  # the rest only, each once
+    assert summary["samples"] == hf["samples"] and summary["tokens"] == hf["tokens"]
+    assert summary["fidelity"]["vllm"]["engine"] == "vLLM" and summary["fidelity"]["vllm"]["argmax_agreement"] == 1.0
+    _assert_same_shards(out, tmp_path / "hf", teacher)
+    assert not (out / ".vllm_capture.r0").exists()
+
+
+def test_vllm_engine_compact_teacher_from_the_prep_head(tmp_path: Path, tiny_target_dir: Path,
+                                                       tiny_sharegpt_file: Path) -> None:
+    common = {"num_samples": 4, "eval_samples": 2, "regen.enabled": False, "capture.teacher": "topk",
+              "capture.topk": 4}
+    run_prep(tmp_path / "hf", str(tiny_target_dir), str(tiny_sharegpt_file), **common)
+    run_prep(tmp_path / "vllm", str(tiny_target_dir), str(tiny_sharegpt_file), **common,
+             **{"capture.engine": "vllm", "capture.vllm.python": standin(tmp_path)})
+    _assert_same_shards(tmp_path / "vllm", tmp_path / "hf", "topk")
+
+
+def test_files_that_are_not_the_samples_are_refused(tmp_path: Path, tiny_target_dir: Path,
+                                                    tiny_sharegpt_file: Path, monkeypatch) -> None:
+    monkeypatch.setenv("STANDIN_BAD_TOKENS", "1")
+    with pytest.raises(VLLMCaptureError, match=r"\.safetensors \(sample 'probe:0'\): its token ids .* are not the"):
+        run_prep(tmp_path / "p", str(tiny_target_dir), str(tiny_sharegpt_file), num_samples=4, eval_samples=2,
+                 **{"regen.enabled": False, "capture.engine": "vllm", "capture.vllm.python": standin(tmp_path)})
+    assert not list((tmp_path / "p" / "train").glob("shards/*.safetensors"))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Opt-in: the real vLLM engine (CPU build) on the embedded target
+
+needs_vllm = pytest.mark.skipif(
+    not (VLLM_PYTHON and os.access(VLLM_PYTHON, os.X_OK)),
+    reason="opt-in: set DRAFTERS_VLLM_PYTHON to the python of a vLLM install (make capture-check)",
+)
+# Tolerances the real engine is held to (fp32 both sides): max abs difference relative to the largest magnitude
+# of each tap / the teacher, and the argmax of the logits the prep's head recomputes from the teacher. Measured
+# (bench/results/vllm_capture.json): ~2e-7 relative, every argmax the same.
+REL_TOL = 1e-5
+ARGMAX_AGREEMENT = 0.999
+
+
+@needs_vllm
+def test_real_vllm_capture_matches_hf_capture(tmp_path: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_vllm_capture", ROOT / "bench" / "vllm_capture.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    compare, rendered_samples = bench.compare, bench.rendered_samples
+    samples = rendered_samples(num=12, max_length=512)
+    result = compare(samples, VLLM_PYTHON, tmp_path)
+    print(result)
+    for name, d in result["taps"].items():
+        assert d["max_rel_diff"] <= REL_TOL, (name, d)
+    assert result["teacher"]["max_rel_diff"] <= REL_TOL, result["teacher"]
+    assert result["argmax_agreement"] >= ARGMAX_AGREEMENT, result
+    assert result["fidelity"]["argmax_agreement"] >= ARGMAX_AGREEMENT
