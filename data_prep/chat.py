@@ -19,6 +19,13 @@ reasoning in an ``analysis`` channel and ends the last turn with ``<|return|>`` 
 4. END OF TURN: optional whitespace and then the special token right after the body
    (``<|im_end|>``, ``<|eot_id|>``, ``<|end|>``/``<|return|>``, ``</s>`` ...), discovered from the
    rendered text; a special token that opens a header (found in the generation prompt) is not one.
+   A reply cut at the generation cap (``Message.cut``: the target never generated its end of turn) ends
+   its span at the body end, so its end of turn is not taught.
+5. GENERATED IDS: a regenerated reply may carry the ids the target generated (``Message.token_ids``, whose
+   decoding is its content). Decoding and re-encoding does not always give them back (a byte-level reply cut
+   inside a character, a non-canonical split), so where the content sits between token boundaries of
+   ``full`` its tokens are replaced by those ids: the sample holds exactly what the target produced.
+   Where it does not, the text's own tokens stay (counted in ``RenderedSample.retokenized_turns``).
 
 Mask = 1 on every token overlapping [turn start, end-of-turn end) (a token that starts a little before
 the turn start counts only if that part is whitespace); 0 elsewhere: system, user, role headers,
@@ -56,6 +63,7 @@ class RenderedSample:
     assistant_texts: list[str]
     truncated: bool
     full_length: int | None  # tokens before truncation; None if only a prefix was tokenized (long text)
+    retokenized_turns: int = 0  # turns with generated ids (Message.token_ids) that kept the text's tokens instead
 
 
 @dataclass
@@ -64,8 +72,38 @@ class Dropped:
     detail: str = ""
 
 
+def _role(m: MessageLike) -> str | None:
+    return m.role if isinstance(m, Message) else m.get("role")
+
+
 def _as_dicts(messages: Sequence[MessageLike]) -> list[dict[str, Any]]:
-    return [m.to_dict() if isinstance(m, Message) else dict(m) for m in messages]
+    # a record's own "cut"/"token_ids" (a regeneration line read as dicts) are ours, not the template's
+    return [m.to_dict() if isinstance(m, Message) else {k: v for k, v in m.items() if k not in ("cut", "token_ids")}
+            for m in messages]
+
+
+def _generated_ids(m: MessageLike) -> list[int] | None:
+    ids = m.token_ids if isinstance(m, Message) else m.get("token_ids")
+    return None if ids is None else list(ids)
+
+
+def _splice_generated(ids, offsets, mask, regions) -> tuple[list[int], list[int], int]:
+    """`ids`/`mask` with each region's tokens replaced by its generated ids (module doc, step 5). `regions`:
+    (char start, char end, generated ids) in order, each a masked assistant content. Returns (ids, mask, regions
+    left as the text's tokens: no token boundary at one of their ends)."""
+    out_ids, out_mask, pos, left = [], [], 0, 0
+    for a, b, gen in regions:
+        i0 = next((t for t in range(pos, len(offsets)) if offsets[t][1] > a), len(offsets))
+        i1 = next((t for t in range(i0, len(offsets)) if offsets[t][0] >= b), len(offsets))
+        placeable = (i0 < i1 <= len(offsets) and offsets[i0][0] == a and offsets[i1 - 1][1] == b
+                     and (i1 == len(offsets) or offsets[i1][0] >= b) and all(mask[i0:i1]))
+        if not placeable:
+            left += 1
+            continue
+        out_ids += ids[pos:i0] + gen
+        out_mask += mask[pos:i0] + [1] * len(gen)
+        pos = i1
+    return out_ids + ids[pos:], out_mask + mask[pos:], left
 
 
 def _render(tok, msgs: list[dict], gen: bool, chat_template: str | None, kw: Mapping[str, Any]) -> str:
@@ -171,7 +209,10 @@ def _turn_start(tok, msgs, i, full, lo, body_end, gen_suffix, chat_template, kw)
     return None
 
 
-def _assistant_spans(tok, msgs, full, chat_template, kw, special_re) -> list[tuple[int, int]] | str:
+def _assistant_spans(tok, msgs, full, chat_template, kw, special_re,
+                     cut: Sequence[bool] = ()) -> list[tuple[int, int, int]] | str:
+    """Per assistant turn, (start, end, body end) in `full`: the turn is [start, end); a turn whose `cut` is True
+    ends at its body end."""
     asst = [i for i, m in enumerate(msgs) if m.get("role") == "assistant"]
     ends = _body_ends(tok, msgs, asst, full, chat_template, kw)
     if ends is None:
@@ -186,9 +227,9 @@ def _assistant_spans(tok, msgs, full, chat_template, kw, special_re) -> list[tup
         stop = ends[k]
         ws = _WS.match(full, stop).end()
         m = special_re.match(full, ws) if special_re else None
-        if m and m.group(0) not in header_tokens:
+        if m and m.group(0) not in header_tokens and not (k < len(cut) and cut[k]):
             stop = m.end()
-        spans.append((start, stop))
+        spans.append((start, stop, ends[k]))
         lo = stop
     return spans
 
@@ -200,7 +241,7 @@ def _mask_from_spans(offsets, spans, full) -> list[int]:
             j += 1
         if j == len(spans):
             break
-        s, e = spans[j]
+        s, e = spans[j][:2]
         if b > s and a < e and (a >= s or not full[a:s].strip()):
             mask[t] = 1
     return mask
@@ -240,30 +281,41 @@ def render_conversation(
         full = _render(tokenizer, msgs, False, chat_template, kw)
     except Exception as err:  # noqa: BLE001 - templates raise on inputs they refuse
         return Dropped("template_error", f"{type(err).__name__}: {err}")
-    spans = _assistant_spans(tokenizer, msgs, full, chat_template, kw, special_re)
+    cut = [bool(m.cut if isinstance(m, Message) else m.get("cut")) for m in messages if _role(m) == "assistant"]
+    spans = _assistant_spans(tokenizer, msgs, full, chat_template, kw, special_re, cut)
     if isinstance(spans, str):
         return Dropped("template_mismatch", spans)
-    ids, offsets, n = _tokenize(tokenizer, full, max_length)
+    generated = [(k, _generated_ids(m)) for k, m in enumerate(m for m in messages if _role(m) == "assistant")]
+    asst = [m for m in msgs if m.get("role") == "assistant"]
+    regions = [(e - len(asst[k]["content"]), e, g) for k, g in generated if g
+               for e in [spans[k][2]] if full[e - len(asst[k]["content"]):e] == asst[k]["content"]]
+    missing = sum(1 for _, g in generated if g) - len(regions)  # content not found as rendered (a trimming template)
+    # the whole text when ids are spliced in: the prefix shortcut's count would not hold after the splice
+    ids, offsets, n = _tokenize(tokenizer, full, max_length if not regions else None)
+    mask = _mask_from_spans(offsets, spans, full)
+    if regions:
+        ids, mask, left = _splice_generated(ids, offsets, mask, regions)
+        missing, n = missing + left, len(ids)
     if n is None or n > max_length:
         if overflow == "drop":
             return Dropped("too_long", f"{n or 'more than ' + str(max_length)} tokens > {max_length}")
-        ids, offsets = ids[:max_length], offsets[:max_length]
-    mask = _mask_from_spans(offsets, spans, full)
+        ids, mask = ids[:max_length], mask[:max_length]
     if not any(mask):
         return Dropped("no_assistant_tokens", f"no assistant token within the first {max_length} tokens")
     truncated = n is None or n > max_length
-    return RenderedSample(ids, mask, [full[s:e] for s, e in spans], truncated=truncated, full_length=n)
+    return RenderedSample(ids, mask, [full[s:e] for s, e, _ in spans], truncated=truncated, full_length=n,
+                          retokenized_turns=missing)
 
 
-def _tokenize(tok, text: str, max_length: int) -> tuple[list[int], list[tuple[int, int]], int | None]:
+def _tokenize(tok, text: str, max_length: int | None) -> tuple[list[int], list[tuple[int, int]], int | None]:
     """(ids, offsets, total token count or None if only a long-enough prefix was tokenized).
 
     Long conversations are truncated anyway, so only a prefix of the text is tokenized when that
     provably gives the same first `max_length` tokens: every token before the prefix's last
-    pre-token (word) is unaffected by where the text was cut.
+    pre-token (word) is unaffected by where the text was cut. `max_length` None: the whole text.
     """
-    cut = 6 * max_length + 256  # chars; typical text has 3-5 chars per token
-    if len(text) > cut + cut // 2:
+    cut = 6 * (max_length or 0) + 256  # chars; typical text has 3-5 chars per token
+    if max_length is not None and len(text) > cut + cut // 2:
         enc = tok(text[:cut], add_special_tokens=False, return_offsets_mapping=True)
         words = enc.word_ids()
         if words and words[-1] is not None:
@@ -305,7 +357,7 @@ def end_of_turn(
     spans = _assistant_spans(tokenizer, probe, full, chat_template, kw, special_re)
     if isinstance(spans, str) or not special_re:
         return None
-    start, stop = spans[-1]
+    start, stop, _ = spans[-1]
     m = special_re.search(full, start, stop)
     last = None
     while m:  # the last special token inside the span is the end of turn

@@ -19,14 +19,21 @@ class ConfigError(ValueError):
 class RegenConfig:
     enabled: bool = True  # False: train on the dataset's own responses
     backend: str = "hf"  # hf (batched generate on the target) | openai (any OpenAI-compatible server)
-    max_turns: int | None = 1  # regenerate the first N assistant turns and cut the rest; None = all
+    # regenerate the first N assistant turns and cut the rest (counted: later_turns_dropped); None = all
+    max_turns: int | None = 1
     max_new_tokens: int = 256
+    # a reply cut at max_new_tokens: unmask (kept; the end of turn the template renders after it stays out of the
+    # loss mask, as the target never generated it) | drop (the conversation is skipped, counted)
+    on_length: str = "unmask"
     temperature: float = 0.0
     top_p: float = 1.0
     batch_size: int = 16
     enable_thinking: bool | None = None  # None: the preset's setting
     base_url: str = "http://127.0.0.1:8000/v1"
-    api_key: str = "EMPTY"
+    # The server's key is read from this environment variable (unset: "EMPTY"), never from the config: a value on
+    # the command line shows in `ps` and in Hydra's error output. regen.api_key is refused (without echoing it).
+    api_key_env: str = "OPENAI_API_KEY"
+    api_key: str | None = None
     served_model: str | None = None  # model name the server knows; None: the target's hub id
     concurrency: int = 16
     timeout_s: float = 300.0
@@ -72,7 +79,9 @@ class PrepConfig:
     data: str = "sharegpt-embedded"  # preset | hub id | local JSON/JSONL/Parquet file or directory
     out: str = MISSING
     num_samples: int = 200  # training conversations (before rendering drops); <= 0: all
-    eval_samples: int = 40  # held-out conversations, never trained on
+    # held-out conversations, never trained on; None: held_out_count (10% of the usable conversations, at least 2,
+    # at most 40, at most half of them)
+    eval_samples: int | None = None
     max_length: int = 2048
     overflow: str = "truncate"  # truncate: keep the first max_length tokens | drop: skip the sample
     seed: int = 0
@@ -97,6 +106,14 @@ class PrepConfig:
             raise ValueError(f"overflow must be truncate|drop, got {self.overflow!r}")
         if self.regen.backend not in ("hf", "openai"):
             raise ValueError(f"regen.backend must be hf|openai, got {self.regen.backend!r}")
+        if self.regen.on_length not in ("unmask", "drop"):
+            raise ValueError(f"regen.on_length must be unmask|drop, got {self.regen.on_length!r}")
+        if self.regen.api_key is not None:  # the value is never printed
+            raise ConfigError(f"regen.api_key is not read (a key on the command line shows in `ps` and in error "
+                              f"output): export {self.regen.api_key_env}=<key> instead (regen.api_key_env names "
+                              "the variable)")
+        if self.eval_samples is not None and self.eval_samples < 0:
+            raise ValueError(f"eval_samples must be >= 0 (or null: the default share), got {self.eval_samples}")
         if self.capture.teacher not in ("hidden", "topk", "argmax"):
             raise ValueError(f"capture.teacher must be hidden|topk|argmax, got {self.capture.teacher!r}")
         if self.capture.taps_dtype not in ("bfloat16", "float8_e4m3fn"):
@@ -131,6 +148,18 @@ class PrepConfig:
         if taken:
             raise ValueError(f"capture.vllm.engine_kwargs sets {taken}, which the capture sets itself (the model, "
                              "dtype and max_model_len are prep's; the parallel sizes are capture.vllm's own keys)")
+
+
+HELD_OUT_FRACTION, HELD_OUT_MIN, HELD_OUT_MAX = 0.1, 2, 40
+
+
+def held_out_count(eval_samples: int | None, usable: int) -> int:
+    """Conversations held out of `usable`: `eval_samples` when given, else 10% of them, at least 2 and at most 40
+    (40 from 400 conversations on), and never more than half, so a small dataset still leaves most to train on."""
+    if eval_samples is not None:
+        return eval_samples
+    share = max(HELD_OUT_MIN, round(HELD_OUT_FRACTION * usable))
+    return min(HELD_OUT_MAX, share, usable // 2)
 
 
 def prep_config(raw: DictConfig) -> PrepConfig:

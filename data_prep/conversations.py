@@ -69,6 +69,12 @@ class Message:
     role: Role
     content: str
     reasoning: str | None = None  # separate chain of thought (Qwen3 reasoning_content, gpt-oss thinking)
+    # A regenerated reply that stopped at regen.max_new_tokens: the end of turn a template renders after it was
+    # never generated, so it is not taught (regen.on_length). Not shown to templates.
+    cut: bool = False
+    # The ids the target generated for this reply, where its text alone would not tokenize back to them; the
+    # rendered sample uses them instead of the text's own tokens (data_prep/chat.py). Not shown to templates.
+    token_ids: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, str]:
         """The dict chat templates read; reasoning goes under both names templates use for it."""
@@ -90,14 +96,19 @@ class Conversation:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Conversation:
-        msgs = [Message(m["role"], m["content"], m.get("reasoning")) for m in d["messages"]]
+        msgs = [Message(m["role"], m["content"], m.get("reasoning"), bool(m.get("cut", False)),
+                        tuple(m["token_ids"]) if m.get("token_ids") is not None else None) for m in d["messages"]]
         return cls(id=str(d["id"]), messages=msgs, source=str(d.get("source", "")))
 
 
-def _message_json(m: Message) -> dict[str, str]:
-    d = {"role": m.role, "content": m.content}
+def _message_json(m: Message) -> dict[str, Any]:
+    d: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.reasoning:
         d["reasoning"] = m.reasoning
+    if m.cut:
+        d["cut"] = True
+    if m.token_ids is not None:
+        d["token_ids"] = list(m.token_ids)
     return d
 
 

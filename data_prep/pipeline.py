@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 from data_prep.capture import HiddenStateCapture, capture_samples
 from data_prep.chat import Dropped, render_conversation, render_prompt, template_hash
-from data_prep.config import PrepConfig
+from data_prep.config import PrepConfig, held_out_count
 from data_prep.conversations import Conversation, Message, SkipReport, load_conversations, split_conversations
 from data_prep.dirlock import claim, holding
 from data_prep.fidelity import check_fidelity, probe_batch
@@ -94,7 +94,9 @@ from models.config import check_target
 from models.target_head import TargetHead
 
 SPLITS = ("train", "eval")
-NOT_SKIPS = ("captured_tokens", "truncated to max_length")  # counted, but the sample is kept
+CUT_UNMASKED = "regen: cut reply kept, its end of turn unmasked (regen.on_length=unmask)"  # replies
+CUT_DROPPED = "regen: reply cut at regen.max_new_tokens (regen.on_length=drop)"  # conversations
+NOT_SKIPS = ("captured_tokens", "truncated to max_length", CUT_UNMASKED)  # counted, but the sample is kept
 
 
 def _world() -> tuple[int, int]:
@@ -124,10 +126,11 @@ def select_conversations(cfg: PrepConfig) -> tuple[dict[str, list[Conversation]]
     conversations, skips = load_conversations(cfg.data)
     if not conversations:
         raise ValueError(f"data {cfg.data!r}: no usable conversation\n{skips.summary()}")
-    pool, held_out = split_conversations(conversations, eval_count=cfg.eval_samples, seed=cfg.seed)
+    held = held_out_count(cfg.eval_samples, len(conversations))  # eval_samples=None: a share of the dataset
+    pool, held_out = split_conversations(conversations, eval_count=held, seed=cfg.seed)
     if not pool:
         raise ValueError(f"data {cfg.data!r}: all {len(conversations)} usable conversations are held out "
-                         f"(eval_samples={cfg.eval_samples}); none is left to train on")
+                         f"(eval_samples={held}); none is left to train on")
     train = pool[: cfg.num_samples] if cfg.num_samples > 0 else pool
     return {"train": train, "eval": held_out, "pool": pool}, skips.to_dict()
 
@@ -187,7 +190,7 @@ def regenerate_split(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, co
         backend = OpenAIBackend(
             base_url=r.base_url,
             model=r.served_model or preset.hf_id,
-            api_key=r.api_key,
+            api_key=os.environ.get(r.api_key_env) or "EMPTY",  # never from the config (RegenConfig.api_key_env)
             concurrency=r.concurrency,
             timeout_s=r.timeout_s,
             max_retries=r.max_retries,
@@ -222,8 +225,15 @@ def tokenizer_hash(tokenizer) -> str:
 
 def render_all(cfg: PrepConfig, tokenizer, convs: list[Conversation], preset: TargetPreset):
     rendered, counts = [], Counter()
+    """The training samples of `convs`. A regenerated reply cut at regen.max_new_tokens (Message.cut) never teaches
+    the end of turn after it (render_conversation leaves it out of the mask); regen.on_length=drop skips its
+    conversation instead. Both are counted."""
     for conv in convs:
         result = render_conversation(
+        cut = sum(m.cut for m in conv.messages)
+        if cut and cfg.regen.on_length == "drop":
+            counts[CUT_DROPPED] += 1
+            continue
             tokenizer, conv.messages, max_length=cfg.max_length, overflow=cfg.overflow,
             template_kwargs=template_kwargs(cfg, preset),
         )
@@ -237,6 +247,7 @@ def render_all(cfg: PrepConfig, tokenizer, convs: list[Conversation], preset: Ta
             counts["render: no trainable assistant token"] += 1
             continue
         rendered.append(Rendered(conv.id, torch.tensor(result.input_ids), mask))
+        counts[CUT_UNMASKED] += cut
     return rendered, counts
 
 
@@ -308,7 +319,6 @@ def save_target_files(head: TargetHead, model, tokenizer, out: Path) -> None:
     with writing(out / "tokenizer"):
         tokenizer.save_pretrained(out / "tokenizer")
 
-
 def preflight(cfg: PrepConfig, preset: TargetPreset, tap_layers: list[int]) -> None:
     """Before the target's weights load: its tokenizer has a chat template (or `chat_template=` gives one), and
     nothing of its config or the tap layers is what training would refuse (models.config.check_target, the
@@ -343,8 +353,11 @@ def write_draft_vocab(cfg: PrepConfig, out: Path, vocab_size: int, dataset_count
     counts = count_tokens(((s.input_ids, s.loss_mask) for s in train), vocab_size)
     scores = selection_scores(counts, dataset_counts, cfg.draft_vocab_train_weight)
     d2t, t2d = build_draft_vocab(scores, cfg.draft_vocab_size)
-    with writing(out / VOCAB_FILE):
-        save_draft_vocab(out / VOCAB_FILE, d2t, t2d, counts, dataset_counts, scores)
+    # written whole beside the old file, then put in its place: stage=vocab rewrites it in a finished prep
+    tmp = out / (VOCAB_FILE + ".tmp")
+    with writing(tmp):
+        save_draft_vocab(tmp, d2t, t2d, counts, dataset_counts, scores)
+    os.replace(tmp, out / VOCAB_FILE)
     return d2t, t2d, counts, dataset_counts
 
 
@@ -355,7 +368,10 @@ def with_preset_defaults(cfg: PrepConfig, preset: TargetPreset) -> PrepConfig:
 
 def rebuild_draft_vocab(cfg: PrepConfig) -> dict:
     """`stage=vocab`: a finished prep's draft vocabulary built anew (e.g. another size or count), no model;
-    summary.json's vocabulary fields are updated."""
+    summary.json's vocabulary fields are updated. Each file is written whole under a temporary name and then
+    replaces the old one, the summary last: an interrupted rebuild leaves the prep finished, with its old
+    vocabulary or the new one, never a torn file (interrupted between the two, the summary's vocabulary fields
+    describe the old one until stage=vocab is rerun)."""
     from transformers import AutoTokenizer
 
     preset = resolve_target(cfg.model)
@@ -451,6 +467,7 @@ def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, head: TargetHead, model,
         "target_head": asdict(head.spec),
         "fidelity": parts[0]["fidelity"],  # rank 0's probe; every rank checked its own
     }
+        **regen_counts(cfg, total, [p.get("regen") or {} for p in parts]),
     write_prep_summary(out, summary)
     return summary
 
@@ -482,6 +499,7 @@ def run(cfg: PrepConfig) -> dict | None:
     model, tokenizer = load_target(preset, cfg.dtype, device, chat_template=cfg.chat_template, tensor_parallel=tp_size)
     # tensor parallel: the samples are split over the groups (part `part` of `parts`); a group's first rank writes
     group = tensor_parallel_group(model)
+    cfg = replace(cfg, eval_samples=len(splits["eval"]))  # the default's share, as summary.json records it
     part, parts, writes = rank // tp_size, world // tp_size, rank % tp_size == 0
     head = TargetHead.from_hf_model(model)
     spec = ShardSpec(
@@ -558,6 +576,22 @@ def print_summary(summary: dict, out: Path) -> None:
         print(f"  skipped {n:>7}  {reason}")
     print(f"  truncated to max_length (kept) {summary['truncated_to_max_length']}")
     print(f"  written  {summary['bytes_written'] / 2**20:.1f} MiB, {summary['bytes_per_token']} B/token; "
+def regen_counts(cfg: PrepConfig, total: Counter, regen: list[dict]) -> dict:
+    """What regeneration left out of or changed in the samples, beside the skips: replies cut at
+    regen.max_new_tokens (kept with their end of turn unmasked, or their conversations dropped: regen.on_length)
+    and the assistant turns after the first regen.max_turns, which are not trained on."""
+    splits = [s for part in regen for s in part.values()]
+    return {
+        "regen_cut_replies": {"on_length": cfg.regen.on_length, "max_new_tokens": cfg.regen.max_new_tokens,
+                              "kept_end_of_turn_unmasked": total[CUT_UNMASKED],
+                              "conversations_dropped": total[CUT_DROPPED]},
+        "regen_later_turns_dropped": {"max_turns": cfg.regen.max_turns,
+                                      "turns": sum(s.get("later_turns_dropped", 0) for s in splits),
+                                      "conversations": sum(s.get("conversations_with_later_turns_dropped", 0)
+                                                           for s in splits)},
+    }
+
+
           f"capture {summary['capture_tokens_per_s']:.0f} tokens/s")
     for name, b in summary["bytes_per_token_options"].items():
         print(f"  storage option {name}: {b} B/token")
@@ -565,3 +599,11 @@ def print_summary(summary: dict, out: Path) -> None:
     print(f"  draft vocab {summary['draft_vocab_size']} ids, coverage of the train split's loss tokens "
           f"{summary['draft_vocab_coverage']:.3f}" + ("" if dataset is None else f", of the dataset's {dataset:.3f}"))
 
+    cut, later = summary["regen_cut_replies"], summary["regen_later_turns_dropped"]
+    if cut["kept_end_of_turn_unmasked"] or cut["conversations_dropped"]:
+        print(f"  regen    replies cut at max_new_tokens={cut['max_new_tokens']}, regen.on_length={cut['on_length']}: "
+              f"{cut['kept_end_of_turn_unmasked']} kept with the end of turn unmasked, "
+              f"{cut['conversations_dropped']} conversations dropped")
+    if later["turns"]:
+        print(f"  regen    {later['turns']} later assistant turns of {later['conversations']} conversations not "
+              f"trained on (regen.max_turns={later['max_turns']})")

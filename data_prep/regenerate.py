@@ -11,13 +11,17 @@ Output: JSONL, one line per conversation, appended and flushed as each conversat
 
     {"id", "status": "ok"|"error"|"skipped", "reason", "messages": [{"role", "content"[, "reasoning"]}], "source"}
 
-- ok: every assistant turn (up to ``max_turns``) regenerated; a reply cut by ``max_new_tokens`` is
-  kept (counted in ``truncated_replies``); an empty reply ends the conversation there.
+- ok: every assistant turn (up to ``max_turns``; the later ones are cut and counted in
+  ``later_turns_dropped``) regenerated; a reply cut by ``max_new_tokens`` is kept, marked ``"cut": true``
+  (counted in ``truncated_replies``; the prep decides with ``regen.on_length`` what it teaches); an empty
+  reply ends the conversation there.
 - skipped: nothing to regenerate (prompt too long for the model or for ``prompt_fits``, first reply empty).
   A later turn whose prompt does not fit ends the conversation before it (``ended early: ...``), keeping
   the turns already regenerated: a context limit is not an error.
 - error: the backend failed after its retries; ``messages`` holds the turns done so far. Not for
-  training.
+  training. When every request of the run's first backend call fails (a server that is not there, a wrong
+  key), :class:`RegenerationError` stops the run instead, naming the backend's URL and the first error, and
+  nothing of that batch is written (a rerun sends it again).
 
 Resume: lines already in ``out_path`` are read first and their ids are not redone (``retry_errors``
 redoes error lines; readers take the last line per id). A torn last line left by a crash is cut off
@@ -43,6 +47,16 @@ from data_prep.conversations import Conversation, Message
 
 STATUSES = ("ok", "error", "skipped")
 CONTEXT_FULL = "prompt leaves no room for a reply (prompt_fits)"
+API_KEY_ENV = "OPENAI_API_KEY"  # where the openai backend's key comes from: never the command line (ps shows it)
+
+
+class RegenerationError(RuntimeError):
+    """Every request of the first batch failed: the backend cannot be used at all (the message names it)."""
+
+
+def redact(text: str, secret: str | None) -> str:
+    """`text` with `secret` replaced by '***' (error messages of a server may quote the key they refused)."""
+    return text.replace(secret, "***") if secret and secret != "EMPTY" else text
 
 
 @dataclass
@@ -59,7 +73,9 @@ class Reply:
     reasoning: str | None = None
     error: str | None = None  # the request failed (after retries)
     skip: str | None = None  # the request was not made (e.g. prompt too long)
-    truncated: bool = False  # stopped by max_new_tokens
+    truncated: bool = False  # stopped by max_new_tokens (hf: no stop token generated; openai: finish_reason "length")
+    # hf: the ids generated for `content` where decoding and re-encoding them gives other ids (Message.token_ids)
+    token_ids: tuple[int, ...] | None = None
 
 
 class Backend(Protocol):
@@ -108,6 +124,7 @@ class HFBackend:
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._stop_cache: dict[Any, list[int]] = {}
+        self.where = f"hf generate on {next(model.parameters()).device}"  # named by RegenerationError
         self._strip = [s for s in tokenizer.all_special_tokens if s]
 
     def _stop_ids(self, kw: dict) -> list[int]:
@@ -125,11 +142,21 @@ class HFBackend:
             self._stop_cache[key] = sorted(ids)
         return self._stop_cache[key]
 
-    def _decode(self, ids: list[int], stop: list[int]) -> tuple[str, bool]:
+    def _decode(self, ids: list[int], stop: list[int]) -> tuple[list[int], str, bool]:
         cut = next((j for j, t in enumerate(ids) if t in stop), None)
         ids = ids if cut is None else ids[:cut]
         text = self.tok.decode(ids, skip_special_tokens=False)
-        return text, cut is None
+        return ids, text, cut is None
+
+    def _ids_of(self, ids: list[int], content: str) -> tuple[int, ...] | None:
+        """The generated ids whose decoding is exactly `content` (whitespace-only tokens at either end dropped, as
+        the reply text is stripped); None if there are none (reasoning split off, control tokens removed)."""
+        i, j = 0, len(ids)
+        while i < j and not self.tok.decode(ids[i : i + 1]).strip():
+            i += 1
+        while j > i and not self.tok.decode(ids[j - 1 : j]).strip():
+            j -= 1
+        return tuple(ids[i:j]) if content and self.tok.decode(ids[i:j], skip_special_tokens=False) == content else None
 
     def generate(self, prompts: Sequence[Sequence[Message]], params: SamplingParams) -> list[Reply]:
         import torch
@@ -178,11 +205,14 @@ class HFBackend:
                     replies[i] = Reply(error=f"generate: {type(err).__name__}: {err}")
             else:
                 for row, (i, _) in enumerate(encoded):
-                    text, truncated = self._decode(out[row, width:].tolist(), stop)
+                    ids, text, truncated = self._decode(out[row, width:].tolist(), stop)
                     reasoning, answer = split_reasoning(text)
                     for s in self._strip:  # stray control tokens must not reach training text
                         answer = answer.replace(s, "")
-                    replies[i] = Reply(content=answer.strip(), reasoning=reasoning, truncated=truncated)
+                    content = answer.strip()
+                    # decode -> re-encode does not always give the generated ids back (data_prep/chat.py, step 5)
+                    token_ids = self._ids_of(ids, content) if reasoning is None else None
+                    replies[i] = Reply(content=content, reasoning=reasoning, truncated=truncated, token_ids=token_ids)
         return [r if r is not None else Reply(error="no reply") for r in replies]
 
 
@@ -196,7 +226,7 @@ class OpenAIBackend:
         base_url: str,
         model: str,
         *,
-        api_key: str = "EMPTY",
+        api_key: str | None = None,
         concurrency: int = 16,
         timeout_s: float = 600.0,
         max_retries: int = 4,
@@ -210,8 +240,11 @@ class OpenAIBackend:
         for name in ("httpx", "httpx2", "openai"):
             logging.getLogger(name).setLevel(logging.WARNING)
 
+        # None: $OPENAI_API_KEY, else "EMPTY" (a server started without a key accepts any)
+        self._key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or "EMPTY"
+        self.where = base_url  # named by RegenerationError
         # retries are ours (below), so the client's own are off
-        self.client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s, max_retries=0)
+        self.client = openai.OpenAI(base_url=base_url, api_key=self._key, timeout=timeout_s, max_retries=0)
         self.enable_thinking = enable_thinking  # default for SamplingParams.enable_thinking
         self.model, self.concurrency = model, concurrency
         self.max_retries, self.backoff = max_retries, backoff
@@ -253,7 +286,7 @@ class OpenAIBackend:
                 )
             except Exception as err:  # noqa: BLE001
                 if attempt == self.max_retries or not self._retryable(err):
-                    return Reply(error=f"{type(err).__name__}: {str(err)[:300]}")
+                    return Reply(error=redact(f"{type(err).__name__}: {err}", self._key)[:300])
                 time.sleep(self.backoff * 2**attempt * (0.5 + random.random()))
         raise AssertionError("unreachable")
 
@@ -335,7 +368,11 @@ class RegenSummary:
     skipped: int = 0
     resumed: int = 0  # already finished in out_path before this run
     generated_turns: int = 0  # replies generated by this run
-    truncated_replies: int = 0
+    truncated_replies: int = 0  # of those, cut at max_new_tokens (marked "cut" in out_path)
+    # assistant turns after the first max_turns, cut from the conversations (all of them, resumed ones too)
+    max_turns: int | None = None
+    later_turns_dropped: int = 0
+    conversations_with_later_turns_dropped: int = 0
     torn_bytes_cut: int = 0
     reasons: Counter = field(default_factory=Counter)
     elapsed_s: float = 0.0
@@ -401,7 +438,11 @@ def regenerate(
         raise ValueError("conversation ids must be unique (resume keys on them)")
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    summary = RegenSummary(total=len(conversations), out_path=str(out))
+    summary = RegenSummary(total=len(conversations), out_path=str(out), max_turns=max_turns)
+    if max_turns is not None:
+        beyond = [n - max_turns for n in (sum(m.role == "assistant" for m in c.messages) for c in conversations)]
+        summary.later_turns_dropped = sum(b for b in beyond if b > 0)
+        summary.conversations_with_later_turns_dropped = sum(b > 0 for b in beyond)
     summary.torn_bytes_cut = _repair_tail(out)
     previous = read_results(out)
     final: dict[str, str] = {}
@@ -418,6 +459,7 @@ def regenerate(
         enable_thinking = getattr(backend, "enable_thinking", None)
     params = SamplingParams(max_new_tokens, temperature, top_p, enable_thinking)
     bar = tqdm(total=len(conversations), initial=summary.resumed, disable=not progress, desc="regenerate")
+    first_call = True
     with open(out, "a", encoding="utf-8") as f:
 
         def finish(w: _Work) -> None:
@@ -439,7 +481,16 @@ def regenerate(
             while active := [w for w in batch if w.status == "ok" and turn < len(w.todo)]:
                 prompts = [w.done + w.todo[turn] for w in active]
                 fits = [prompt_fits is None or prompt_fits(p) for p in prompts]
-                sent = iter(backend.generate([p for p, ok in zip(prompts, fits) if ok], params) if any(fits) else [])
+                replies = backend.generate([p for p, ok in zip(prompts, fits) if ok], params) if any(fits) else []
+                if first_call and replies and all(r.error is not None for r in replies):
+                    bar.close()
+                    where = getattr(backend, "where", type(backend).__name__)
+                    raise RegenerationError(
+                        f"regeneration stopped: all {len(replies)} requests of the first batch failed at {where}; "
+                        f"the first error: {replies[0].error}. Nothing of this batch was written; check that the "
+                        "server runs there (regen.base_url) and takes the key in $" + API_KEY_ENV)
+                first_call = first_call and not replies
+                sent = iter(replies)
                 for w, prompt, ok in zip(active, prompts, fits):
                     _apply(w, prompt, next(sent) if ok else Reply(skip=CONTEXT_FULL), summary)
                 turn += 1
@@ -472,4 +523,4 @@ def _apply(w: _Work, prompt: list[Message], r: Reply, summary: RegenSummary) -> 
         return
     summary.generated_turns += 1
     summary.truncated_replies += r.truncated
-    w.done = [*prompt, Message("assistant", r.content, r.reasoning or None)]
+    w.done = [*prompt, Message("assistant", r.content, r.reasoning or None, r.truncated, r.token_ids)]

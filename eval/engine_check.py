@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -28,6 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from data_prep.chat import render_prompt
+from data_prep.regenerate import API_KEY_ENV
 from data_prep.targets import load_tokenizer, model_path, resolve_target
 from eval.prompts import load_prompts
 
@@ -38,7 +40,10 @@ def http_get(url: str, timeout: float = 5.0) -> str:
 
 
 def http_post_json(url: str, body: dict, timeout: float = 600.0) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if os.environ.get(API_KEY_ENV):  # the key of the server vllm_server started (or the user's)
+        headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
+    req = urllib.request.Request(url, json.dumps(body).encode(), headers)
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read().decode())
 
@@ -68,6 +73,11 @@ def vllm_server(
     """vLLM's OpenAI server (CPU build, its own venv) on 127.0.0.1 for the `with` block; yields its base URL
     (``http://127.0.0.1:<port>``) once /health answers, and stops it (and its engine process) afterwards.
 
+    The server takes requests only with a key of its own, random per launch, so no other local user can use it:
+    handed over in its environment (VLLM_API_KEY), never on its command line (`ps` shows that), and put in this
+    process's $OPENAI_API_KEY for the block, where our clients read it (the openai regeneration backend,
+    http_post_json); the previous value is restored afterwards.
+
     `--enforce-eager` skips graph capture: ready in ~35 s on CPU instead of ~2 min. The KV cache is 2 GiB
     (VLLM_CPU_KVCACHE_SPACE), plenty for a small target on a small machine.
     """
@@ -75,7 +85,9 @@ def vllm_server(
     cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", dtype,
            "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
            *extra_args]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    key = secrets.token_urlsafe(24)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), "VLLM_API_KEY": key}
+    previous_key = os.environ.get(API_KEY_ENV)
     base = f"http://127.0.0.1:{port}"
     where = f"see {log_path}" if log_path else "pass log_path to keep its log"
     if log_path:
@@ -95,8 +107,13 @@ def vllm_server(
                     if time.time() > deadline:
                         raise VLLMServerError(f"vLLM not ready within {ready_timeout_s:.0f} s ({where})") from None
                     time.sleep(2)
+            os.environ[API_KEY_ENV] = key
             yield base
         finally:
+            if previous_key is None:
+                os.environ.pop(API_KEY_ENV, None)
+            else:
+                os.environ[API_KEY_ENV] = previous_key
             _stop(server)
 
 

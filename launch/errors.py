@@ -36,6 +36,7 @@ USER_ERRORS = (
     "data_prep.shards:ShardError",
     "data_prep.dirlock:DirLocked",  # another process holds the run or prep directory
     "data_prep.fidelity:FidelityError",
+    "data_prep.regenerate:RegenerationError",  # the regeneration server cannot be used at all (URL, error)
     "train.online:TargetMismatch",
     "train.plan:PlanError",
     "models.export:ExportError",

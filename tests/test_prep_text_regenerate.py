@@ -365,7 +365,7 @@ def test_empty_or_unfinished_replies_end_the_conversation(tmp_path: Path) -> Non
         "source": "t",
         "messages": [],
     }
-    assert res["c"]["messages"][1] == {"role": "assistant", "content": "C1", "reasoning": "r"}
+    assert res["c"]["messages"][1] == {"role": "assistant", "content": "C1", "reasoning": "r", "cut": True}
 
 
 def test_hf_thinking_flag_reaches_the_template(tiny_model, tmp_path: Path) -> None:
@@ -411,3 +411,187 @@ def test_a_turn_without_room_ends_the_conversation_before_it(tmp_path: Path) -> 
     assert res["b"]["status"] == "ok" and res["b"]["reason"] == ""
     assert res["c"]["status"] == "skipped" and res["c"]["reason"] == CONTEXT_FULL
     assert (s.ok, s.skipped, s.error, s.generated_turns) == (2, 1, 0, 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# replies cut at max_new_tokens, later turns, a backend that cannot be reached, the server's key
+
+
+@pytest.mark.parametrize("name", ["chatml_smollm2", "llama3_1", "qwen3", "gpt_oss"])
+def test_a_cut_reply_does_not_teach_end_of_turn(name: str) -> None:
+    """The template renders an end of turn after every reply; after a reply the target stopped at the cap it was
+    never generated, so it stays out of the mask. The turn's own text is masked as before, and an uncut turn
+    keeps its end of turn."""
+    from text_fixtures import masked_runs
+
+    from data_prep.chat import end_of_turn, render_conversation
+
+    tok = tiny_tokenizer(name)
+    msgs = [Message("user", "Hello there!"), Message("assistant", "The capital of France is"),
+            Message("user", "What is the capital of France?"), Message("assistant", "Paris is the capital")]
+    eot = tok.convert_tokens_to_ids(end_of_turn(tok))
+    whole = render_conversation(tok, msgs, max_length=512)
+    for k in range(2):
+        cut = [*msgs]
+        cut[2 * k + 1] = Message("assistant", msgs[2 * k + 1].content, cut=True)
+        r = render_conversation(tok, cut, max_length=512)
+        assert r.input_ids == whole.input_ids  # the text is the same: only what is taught differs
+        before, after = masked_runs(whole.input_ids, whole.loss_mask), masked_runs(r.input_ids, r.loss_mask)
+        assert len(before) == len(after) == 2
+        assert all(run[-1] in tok.all_special_ids for run in before), name  # each turn's end of turn
+        assert after[k] == before[k][:-1], (name, tok.convert_ids_to_tokens(before[k]))  # the end of turn left
+        assert after[1 - k] == before[1 - k]
+        assert tok.decode(after[k]).endswith(msgs[2 * k + 1].content)
+    assert masked_runs(whole.input_ids, whole.loss_mask)[-1][-1] == eot
+
+
+def test_cut_flag_survives_the_regeneration_file(tmp_path: Path) -> None:
+    from data_prep.regenerate import Reply
+
+    be = ScriptedBackend({"q1": Reply(content="A1 cut", truncated=True), "q2": Reply(content="A2")})
+    s = regenerate([oa_conv("a", "q1", "q2"), oa_conv("b", "q2")], be, tmp_path / "c.jsonl", max_new_tokens=4,
+                   max_turns=None, progress=False)
+    assert s.truncated_replies == 1
+    back = {c.id: c for c in load_regenerated(tmp_path / "c.jsonl")}
+    assert [m.cut for m in back["a"].messages] == [False, True, False, False]
+    assert not any(m.cut for m in back["b"].messages)
+
+
+def test_later_turns_cut_by_max_turns_are_counted(tmp_path: Path) -> None:
+    from data_prep.regenerate import Reply
+
+    be = ScriptedBackend({u: Reply(content=u.upper()) for u in ("a1", "b1", "c1")})
+    convs = [oa_conv("a", "a1", "a2", "a3"), oa_conv("b", "b1", "b2"), oa_conv("c", "c1")]
+    s = regenerate(convs, be, tmp_path / "t.jsonl", max_new_tokens=4, max_turns=1, progress=False)
+    assert (s.max_turns, s.later_turns_dropped, s.conversations_with_later_turns_dropped) == (1, 3, 2)
+    again = regenerate(convs, be, tmp_path / "t.jsonl", max_new_tokens=4, max_turns=1, progress=False)
+    assert (again.resumed, again.later_turns_dropped, again.conversations_with_later_turns_dropped) == (3, 3, 2)
+    every = regenerate(convs, ScriptedBackend({}), tmp_path / "t2.jsonl", max_new_tokens=4, max_turns=None,
+                       progress=False, prompt_fits=lambda p: False)
+    assert (every.later_turns_dropped, every.conversations_with_later_turns_dropped) == (0, 0)
+
+
+def unused_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # bound, never listening: a connection is refused
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_an_unreachable_server_stops_at_the_first_batch(tmp_path: Path, monkeypatch) -> None:
+    """Nothing listens at the URL: the run stops after the first batch, naming the URL and the error, instead of
+    writing an error line per conversation and failing later for want of any sample; nothing is written, so a
+    rerun against a running server sends everything."""
+    from data_prep.regenerate import RegenerationError
+
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    url = f"http://127.0.0.1:{unused_port()}/v1"
+    be = OpenAIBackend(url, "target", max_retries=1, backoff=0.01, timeout_s=5)
+    sent = []
+
+    class Counting:
+        where = be.where
+
+        def generate(self, prompts, params):
+            sent.append(len(prompts))
+            return be.generate(prompts, params)
+
+    out = tmp_path / "u.jsonl"
+    with pytest.raises(RegenerationError) as e:
+        regenerate([oa_conv(f"c{i}", f"q{i}") for i in range(12)], Counting(), out, max_new_tokens=4, batch_size=4,
+                   progress=False)
+    assert url in str(e.value) and "APIConnectionError" in str(e.value) and "all 4 requests" in str(e.value)
+    assert sent == [4] and (not out.exists() or out.read_text() == "")
+
+
+def test_some_failed_requests_do_not_stop_the_run(server, tmp_path: Path) -> None:
+    be = OpenAIBackend(server.url, "target", max_retries=0, timeout_s=10)
+    s = regenerate([oa_conv("a", "fatal a"), oa_conv("b", "hello b"), oa_conv("c", "fatal c")], be,
+                   tmp_path / "p.jsonl", max_new_tokens=4, batch_size=3, progress=False)
+    assert (s.ok, s.error) == (1, 2)
+
+
+def test_the_key_comes_from_the_environment_and_is_never_echoed(tmp_path: Path, monkeypatch) -> None:
+    """The key reaches the server from $OPENAI_API_KEY (no default overrides it); a server that refuses it and
+    quotes it back in its error has the key redacted from what is printed and saved."""
+    from data_prep.regenerate import RegenerationError
+
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    secret = "sk-test-0123456789abcdef"
+    seen: list[str | None] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(self.headers.get("Authorization"))
+            data = json.dumps({"error": {"message": f"Incorrect API key provided: {secret[3:]}"}}).encode()
+            self.send_response(401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("OPENAI_API_KEY", secret[3:])
+        be = OpenAIBackend(f"http://127.0.0.1:{httpd.server_address[1]}/v1", "target", max_retries=0)
+        with pytest.raises(RegenerationError) as e:
+            regenerate([oa_conv("a", "q")], be, tmp_path / "k.jsonl", max_new_tokens=4, progress=False)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert seen == [f"Bearer {secret[3:]}"]
+    assert "401" in str(e.value) and "***" in str(e.value) and secret[3:] not in str(e.value)
+
+
+def test_training_tokens_are_the_generated_ids(tiny_model, tmp_path: Path) -> None:
+    """What the sample teaches for a regenerated reply is exactly the ids the target generated (then its end of
+    turn unless the reply was cut), even where decoding them and encoding the text again gives other ids: a random
+    target picks token splits the tokenizer would not make."""
+    from text_fixtures import masked_runs
+
+    from data_prep.chat import render_conversation
+
+    model, tok = tiny_model
+    outputs: list[list[int]] = []
+
+    class Recording(CountingModel):
+        def generate(self, input_ids, attention_mask, **kw):
+            out = super().generate(input_ids, attention_mask, **kw)
+            outputs.extend(row[input_ids.shape[1]:].tolist() for row in out)
+            return out
+
+    special = sorted({tok.convert_tokens_to_ids(t) for t in tok.all_special_tokens if t != "<|im_end|>"})
+    be = HFBackend(Recording(model, tok), tok, generate_kwargs={"suppress_tokens": special})
+    convs = [conv(i, turns=1, user="Hello there! " * (1 + i % 3)) for i in range(12)]
+    regenerate(convs, be, tmp_path / "g.jsonl", max_new_tokens=12, batch_size=12, progress=False)
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    stopped = [ids[: ids.index(eot)] if eot in ids else ids for ids in outputs]
+    done = {c.id: c for c in load_regenerated(tmp_path / "g.jsonl")}
+    assert len(done) == 12
+    differs = kept = 0
+    for c in convs:
+        reply = done[c.id].messages[-1]
+        if reply.token_ids is None:  # a whitespace the stripped text drops sits inside a token: the text's own ids
+            continue
+        kept += 1
+        gen, full = list(reply.token_ids), stopped[int(c.id[1:])]
+        # the generated ids, less whitespace-only tokens at either end (the reply text is stripped)
+        i = next(i for i in range(len(full)) if full[i : i + len(gen)] == gen)
+        assert not tok.decode(full[:i]).strip() and not tok.decode(full[i + len(gen):]).strip(), (c.id, full, gen)
+        assert tok.decode(gen) == reply.content, (c.id, gen, reply)
+        r = render_conversation(tok, done[c.id].messages, max_length=512)
+        run = masked_runs(r.input_ids, r.loss_mask)[-1]
+        assert run == gen + ([] if reply.cut else [eot]), (c.id, run, gen)
+        assert r.retokenized_turns == 0
+        text_only = render_conversation(tok, [*done[c.id].messages[:-1], Message("assistant", reply.content)],
+                                        max_length=512)
+        differs += masked_runs(text_only.input_ids, text_only.loss_mask)[-1][: len(gen)] != gen
+    assert kept >= 6 and differs >= 3, (kept, differs)  # re-encoding the text alone would teach other ids
