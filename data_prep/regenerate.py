@@ -9,7 +9,11 @@ retries with exponential backoff.
 
 Output: JSONL, one line per conversation, appended and flushed as each conversation finishes::
 
-    {"id", "status": "ok"|"error"|"skipped", "reason", "messages": [{"role", "content"[, "reasoning"]}], "source"}
+    {"id", "status": "ok"|"error"|"skipped", "reason", "messages": [{"role", "content"[, "reasoning", "cut",
+     "token_ids"]}], "source"}
+
+A regenerated reply carries ``"cut": true`` when it stopped at ``max_new_tokens`` and, from the hf backend,
+``"token_ids"``: the ids the target generated for its content (data_prep/chat.py puts exactly those in the sample).
 
 - ok: every assistant turn (up to ``max_turns``; the later ones are cut and counted in
   ``later_turns_dropped``) regenerated; a reply cut by ``max_new_tokens`` is kept, marked ``"cut": true``
