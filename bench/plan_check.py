@@ -158,10 +158,11 @@ def predict(tokens: int, ranks: int, source: str, runtime_mb: float, *, bench: b
     cfg.model.draft_vocab_size = VD
     cfg.train.ttt_steps, cfg.train.chunk_size, cfg.train.checkpoint_layer = K, CHUNK, True
     cfg.deepspeed.zero_stage, cfg.deepspeed.precision = 3, "fp32"
-    extra = {"runtime_mb": runtime_mb}
-    if bench:  # bf16 module and a torch AdamW on it, no kept teacher targets, a random untied head
+    # the workers' frozen head is bench/long_context.py's random one: untied (the trainer's SmolLM2 head is tied)
+    extra = {"runtime_mb": runtime_mb, "head_tied": False}
+    if bench:  # bf16 module and a torch AdamW on it, no kept teacher targets, one step (no Adam state at its peak)
         cfg.deepspeed.precision = "bf16"
-        extra.update(optimizer="torch", teacher_cache_mb=0, head_tied=False)
+        extra.update(optimizer="torch", teacher_cache_mb=0, first_step=True)
     target = describe_target(TARGET)
     target.dtype_bytes = 4  # the online target runs in fp32 here (load_target(..., "float32"))
     s = settings_from_run(cfg, ranks, tokens, "cpu", **extra)

@@ -37,7 +37,7 @@ GiB = 1 << 30
 MiB = 1 << 20
 # Peak RSS of a CPU training process before it builds anything: Python, torch, DeepSpeed and transformers
 # imported, the process group up (measured by bench/plan_check.py, bench/results/plan_check.json "runtime").
-CPU_RUNTIME_MB = 560.0
+CPU_RUNTIME_MB = 279.0
 PLACEMENTS = ("none", "replicate", "zero3", "tp")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp32": 4, "bf16": 2}
 
@@ -246,6 +246,8 @@ class Settings:
     optimizer: str = "deepspeed"  # deepspeed (train/engine.py) | torch (a plain AdamW on the module, bench scripts)
     runtime_mb: float | None = None  # None: CPU_RUNTIME_MB on cpu, 0 on cuda
     head_tied: bool | None = None  # the frozen head's LM head shares the embedding; None: the target config says
+    # a process's first step (a one-step benchmark): the optimizer state does not exist yet at its peak
+    first_step: bool = False
 
     @property
     def tokens(self) -> int:
@@ -431,25 +433,32 @@ def _attention_bytes(dr: DrafterInfo, s: Settings, T: int, k: int, saved: bool) 
 
 
 def _norm_bytes(width: int, a: int) -> int:
-    """models/layers.py RMSNorm per token: its fp32 normalised input (and the fp32 copy of a bf16 input) kept
-    for the weight's product, and its output."""
-    return width * (4 + (4 if a != 4 else 0) + a)
+    """What models/layers.py RMSNorm keeps for its backward per token: the fp32 copy of a bf16 input and the
+    normalised rows in the activation dtype (in fp32 the input itself is the copy)."""
+    return width * ((4 if a != 4 else 0) + a)
 
 
 def _layer_tensors(dr: DrafterInfo, s: Settings, T: int) -> float:
-    """One drafter step's layer tensors (models/eagle3.py Eagle3DecoderLayer) kept for its backward, without
-    the attention core: embeds, the two input norms and their concat, q/k/v and the RoPE'd q/k, o_proj's output
-    and the residual, the post-attention norm, the MLP's gate/up/activation/product and output."""
+    """One drafter step's layer tensors (models/eagle3.py Eagle3DecoderLayer) kept for its backward, besides the
+    attention core's own: the two input norms, their concat (q/k/v_proj's input), the RoPE'd queries, the step's
+    keys and values, the post-attention norm and its output, and the MLP's gate, up, activation and product."""
     H, inter, a = dr.hidden, dr.intermediate, _act_bytes(s)
     q, kv = dr.heads * dr.head_dim, dr.kv_heads * dr.head_dim
-    per_token = a * (H + 2 * H + 2 * q + 3 * kv + 2 * H + 4 * inter + 2 * H) + 3 * _norm_bytes(H, a)
+    per_token = 3 * _norm_bytes(H, a) + a * (2 * H + q + 2 * kv + H + 4 * inter)
     return T * per_token
 
 
 def _layer_grads(dr: DrafterInfo, s: Settings, T: int) -> float:
-    """The backward's largest simultaneous gradients in one layer: the MLP's (gate, up, product, and the
-    activation's input) and the residual stream's."""
-    return T * _act_bytes(s) * (4 * dr.intermediate + 2 * dr.hidden)
+    """The backward's largest simultaneous gradients in one layer: the MLP's (the product's, the activation's
+    and up's) and the residual stream's."""
+    return T * _act_bytes(s) * (3 * dr.intermediate + 2 * dr.hidden)
+
+
+def teacher_chunk_bytes(V: int, Vd: int, c: int, a: int) -> int:
+    """The exact teacher of c rows (train/loss.py draft_logits, DraftLogits.target): the full-vocab logits in fp32
+    (after the head's own output in the activation dtype), logsumexp's [c, V] temporary beside them and the draft
+    columns; then the columns, p_tilde, p_draft and their temporary."""
+    return c * max(V * (a + 4), V * 8 + Vd * 4, Vd * 16)
 
 
 def step_bytes(dr: DrafterInfo, s: Settings) -> tuple[dict[str, float], dict[str, float]]:
@@ -471,18 +480,23 @@ def step_bytes(dr: DrafterInfo, s: Settings) -> tuple[dict[str, float], dict[str
     unroll = sum(per_step) + T * H * a  # + fc's output (the step-0 stream)
     rows = K * N * H * a  # each step's outputs at the loss rows
     cached_targets = N * Vd * 8 if N * Vd * 8 <= s.teacher_cache_mb * MiB else 0  # p_tilde + p_draft, fp32
-    # the fused head per chunk (train/loss.py _head_pass): the teacher's full-vocab logits (and their fp32 copy),
-    # its draft columns and target; then per step the fp32 logits, log q / q and the logits' gradient
-    chunk_teacher = 0 if cached_targets else c * (V * (a + (4 if a != 4 else 0)) + Vd * 4 + Vd * 8)
-    chunk_step = c * Vd * (8 + 4 + 4 + (a if a != 4 else 0)) + 2 * K * c * H * a
+    # the fused head per chunk of c rows (train/loss.py _head_pass): the teacher's full-vocab logits (and their fp32
+    # copy) with their draft columns, unless kept; then per step the chunk's target, the fp32 logits and log q (q,
+    # then the logits' gradient, in place; its bf16 copy), the head-gradient product; normed rows and their grads
+    chunk_teacher = 0 if cached_targets else teacher_chunk_bytes(V, Vd, c, a)
+    chunk_step = (0 if cached_targets else c * Vd * 8) + c * Vd * (8 + (a if a != 4 else 0)) + Vd * H * 4
+    chunk = max(chunk_teacher, chunk_step) + 2 * K * c * H * a
     grad_w = Vd * H * 4  # the fp32 head-gradient accumulator
     # the loss pass: the rows list, their stack and the gradient w.r.t. them, the head gradient, one chunk
-    loss_phase = unroll + rows * 3 + grad_w + cached_targets + max(chunk_teacher, chunk_step)
+    loss_phase = unroll + rows * 3 + grad_w + cached_targets + chunk
     # the backward: the last step's layer recomputed (checkpointed) and its gradients, the saved loss gradients
-    att = _attention_bytes(dr, s, T, K - 1, saved=False)
+    # (its attention's saved tensors; the forward's own temporaries are gone by then)
+    att = _attention_bytes(dr, s, T, K - 1, saved=True)
     recompute = _layer_tensors(dr, s, T) + att if s.checkpoint_layer else 0
     bwd_phase = unroll + rows + grad_w + recompute + _layer_grads(dr, s, T)
     phases = {"loss pass": loss_phase, "backward": bwd_phase}
+    if cached_targets:  # the count pass (count_valid) forms them chunk by chunk before the unroll
+        phases["teacher targets"] = cached_targets - c * Vd * 8 + teacher_chunk_bytes(V, Vd, c, a)
     return {"batch (taps, teacher, ids)": batch, "TTT step activations": max(phases.values())}, phases
 
 
@@ -490,12 +504,17 @@ def components(target: TargetInfo, drafter: DrafterInfo, s: Settings) -> tuple[d
     runtime = s.runtime_mb if s.runtime_mb is not None else (CPU_RUNTIME_MB if s.device == "cpu" else 0.0)
     rows: dict[str, float] = {"runtime": runtime * MiB, "target weights": target_bytes(target, s)}
     rows.update(drafter_state_bytes(drafter, s))
+    if s.first_step:
+        rows["drafter optimizer"] = 0.0
     tied = target.config.get("tie_word_embeddings") if s.head_tied is None else s.head_tied
     head_bytes = drafter.vocab * drafter.hidden * _act_bytes(s) * (1 if tied else 2)
     rows["target head (frozen)"] = head_bytes + drafter.hidden * _act_bytes(s)
     step, phases = step_bytes(drafter, s)
     rows.update(step)
     fwd = target_forward_bytes(target, drafter, s)
+    if s.placement != "none":  # the capture hooks hold the last forward's tap and last-layer outputs
+        tp = s.tp_size if s.placement == "tp" else 1
+        rows["target capture outputs"] = (len(target.tap_layers) + 1) * s.tokens * tp * drafter.hidden * target.dtype_bytes
     if fwd:  # the capture forward runs before the drafter's step: the larger transient sets the peak
         phases["target forward"] = fwd
         rows["TTT step activations"] = max(rows["TTT step activations"], fwd)
