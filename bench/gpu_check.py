@@ -274,39 +274,44 @@ def section_attention(cfg: Config, rec: Recorder, deadline: float) -> None:
             ms = statistics.median(times) * 1e3
         return out.detach(), [g.detach() for g in grads], peak, ms
 
-    ok_all = True
     for T, steps in cfg.attn_cases:
         if time.time() > deadline:
-            rec.data["skipped"][f"T={T}"] = "section time budget spent"
-            ok_all = False
+            rec.check(f"T{T}_k{steps}_ran", False, value="section time budget spent")
             continue
         g = torch.Generator().manual_seed(1000 * steps + T)
         shapes = [(1, hq, T, d)] + [(1, hkv, T, d)] * (2 * steps)
         inputs32 = [torch.randn(s, generator=g).to(dev) for s in shapes]
         dout = torch.randn(1, hq, T, d, generator=g).to(dev)
         names = ["out", "dq"] + [f"dk{j}" for j in range(steps)] + [f"dv{j}" for j in range(steps)]
-        ref_out, ref_grads, ref_peak, ref_ms = run("reference", inputs32, dout, timed=False)
+        ref_out, ref_grads, ref_peak, _ = run("reference", inputs32, dout, timed=False)
         refs = [ref_out, *ref_grads]
         low_inputs = [x.to(low) for x in inputs32]
         candidates = list(backends)
         if low != torch.float32:
             candidates = ["reference", *candidates]  # the same math in bf16: the floor any bf16 kernel meets
         for name in candidates:
-            out, grads, peak, ms = run(name, low_inputs, dout, timed=name != "reference")
+            label = "reference_lowp" if name == "reference" else name
+            try:
+                out, grads, peak, ms = run(name, low_inputs, dout, timed=name != "reference")
+            except Exception as e:  # a kernel's failure is this backend's finding; the others still run
+                rec.row({"backend": label, "seq_len": T, "ttt_steps": steps, "error": f"{type(e).__name__}: {e}"[:800]})
+                rec.check(f"{name}_T{T}_k{steps}", False, value=f"{type(e).__name__}: {str(e)[:300]}")
+                _reset_peak(dev)
+                continue
             errs = {k: _rel(t, r) for k, t, r in zip(names, [out, *grads], refs)}
             worst = max(errs.values(), key=lambda e: (not math.isfinite(e), e))
-            label = "reference_lowp" if name == "reference" else name
             rec.row({"backend": label, "seq_len": T, "ttt_steps": steps, "max_rel_err": worst, "rel_err": errs,
                      "fwd_bwd_ms": ms, "peak_mb": peak, "reference_peak_mb": ref_peak})
             if name != "reference":
-                ok_all &= rec.check(f"{name}_T{T}_k{steps}", math.isfinite(worst) and worst <= cfg.tol,
-                                    value=worst, limit=cfg.tol)
+                rec.check(f"{name}_T{T}_k{steps}", math.isfinite(worst) and worst <= cfg.tol, value=worst,
+                          limit=cfg.tol)
             del out, grads
         del refs, ref_out, ref_grads, inputs32, low_inputs
         _reset_peak(dev)
     if not backends:
         rec.check("some_backend_ran", False)
-    worst = max((r["max_rel_err"] for r in rec.data["rows"] if r["backend"] != "reference_lowp"), default=None)
+    worst = max((r["max_rel_err"] for r in rec.data["rows"] if r["backend"] != "reference_lowp" and "error" not in r),
+                default=None)
     rec.data["summary"] = f"{'/'.join(backends) or 'none'} vs reference: worst rel err {worst}"
 
 
@@ -479,7 +484,6 @@ def _first_difference_tie(runner, prompt: list[int], plain: list[int], spec: lis
 
 
 def section_spec_decode(cfg: Config, rec: Recorder, deadline: float) -> None:
-
     sys.path.insert(0, str(ROOT / "tests"))  # the tiny random models the tests decode with
     from tiny_models import permutation_pair, tiny_pair
 
@@ -507,27 +511,38 @@ def section_spec_decode(cfg: Config, rec: Recorder, deadline: float) -> None:
             if time.time() > deadline:
                 rec.check(f"{dtype_name}_{pair_name}_ran", False, value="section time budget spent")
                 continue
-            target, drafter = make_pair(pair_name)
-            target, drafter = target.to(cfg.device, dtype), drafter.to(cfg.device, dtype)
-            runner = TargetRunner(target, drafter.cfg.aux_layer_ids)
-            rec.check(f"on_{cfg.device}", runner.device.type == cfg.device, value=str(runner.device))
-            plains = [plain_generate(runner, p, cfg.spec_new_tokens, greedy).output_ids for p in SPEC_PROMPTS]
+            try:
+                target, drafter = make_pair(pair_name)
+                target, drafter = target.to(cfg.device, dtype), drafter.to(cfg.device, dtype)
+                runner = TargetRunner(target, drafter.cfg.aux_layer_ids)
+                rec.check(f"on_{cfg.device}", runner.device.type == cfg.device, value=str(runner.device))
+                plains = [plain_generate(runner, p, cfg.spec_new_tokens, greedy).output_ids for p in SPEC_PROMPTS]
+            except Exception as e:  # plain decoding itself failed: recorded, the other pairs still run
+                rec.check(f"{dtype_name}_{pair_name}_plain", False, value=f"{type(e).__name__}: {str(e)[:300]}")
+                continue
             for settings in all_settings:
                 same = ties = 0
                 lengths: list[int] = []
                 worst_tie: float | None = None
-                for prompt, plain in zip(SPEC_PROMPTS, plains):
-                    spec = SpeculativeDecoder(runner, drafter, settings).generate(prompt, cfg.spec_new_tokens, greedy)
-                    lengths += spec.accept_lengths
-                    if spec.output_ids == plain:
-                        same += 1
-                        continue
-                    tie = _first_difference_tie(runner, prompt, plain, spec.output_ids)
-                    rel_gap = tie.gap / tie.scale if tie else float("inf")
-                    worst_tie = rel_gap if worst_tie is None else max(worst_tie, rel_gap)
-                    ties += rel_gap <= cfg.tol
                 label = f"{dtype_name}_{pair_name}_{settings.mode}-d{settings.depth}-m{settings.total_tokens}"
                 n = len(SPEC_PROMPTS)
+                try:
+                    for prompt, plain in zip(SPEC_PROMPTS, plains):
+                        spec = SpeculativeDecoder(runner, drafter, settings).generate(prompt, cfg.spec_new_tokens,
+                                                                                      greedy)
+                        lengths += spec.accept_lengths
+                        if spec.output_ids == plain:
+                            same += 1
+                            continue
+                        tie = _first_difference_tie(runner, prompt, plain, spec.output_ids)
+                        rel_gap = tie.gap / tie.scale if tie else float("inf")
+                        worst_tie = rel_gap if worst_tie is None else max(worst_tie, rel_gap)
+                        ties += rel_gap <= cfg.tol
+                except Exception as e:  # recorded; the other settings and pairs still run
+                    error = f"{type(e).__name__}: {str(e)[:300]}"
+                    rec.check(label, False, value=error)
+                    rec.row({"dtype": dtype_name, "pair": pair_name, "mode": settings.mode, "error": error})
+                    continue
                 if exact:
                     rec.check(label, same == n, value=f"{same}/{n} identical")
                     accepted += lengths if pair_name.startswith("permutation") else []
@@ -590,91 +605,104 @@ def _compiled_graphs() -> int:
 
 
 def section_train_step(cfg: Config, rec: Recorder, deadline: float) -> None:
+    from bench.long_context import GEOMETRIES
+    from train.engine import init_distributed
+
+    dev = cfg.device
+    precision = "fp32" if cfg.dry_run else "bf16"
+    _, world = init_distributed("gloo" if dev == "cpu" else "nccl")
+    rec.data.update(precision=precision, zero_stage=3, world_size=world, ttt_steps=cfg.train_ttt,
+                    chunk_size=cfg.train_chunk, checkpoint_layer=True, teacher="hidden (full vocabulary)",
+                    peak_mem_kind="cuda max_memory_allocated" if dev == "cuda" else "peak RSS")
+    rate: dict[str, float] = {}  # seconds per token of the last timed step (the skip estimate)
+    for geometry in cfg.train_geometries:
+        if time.time() > deadline - 60:  # building, compiling and one short step take about a minute
+            rec.data.setdefault("skipped", []).append({"geometry": geometry, "reason": "section time budget spent"})
+            continue
+        try:
+            _train_geometry(cfg, rec, deadline, geometry, GEOMETRIES[geometry], precision, world, rate)
+        except Exception as e:  # this geometry's failure is recorded; the next one still runs
+            rec.data.setdefault("geometry_errors", {})[geometry] = traceback.format_exc()[-3000:]
+            rec.check(f"{geometry}_built_and_stepped", False, value=f"{type(e).__name__}: {str(e)[:300]}")
+        _reset_peak(dev)
+    ran = [r for r in rec.data["rows"] if "tokens_per_s" in r]
+    rec.check("some_step_ran", bool(ran), value=len(ran))
+    skipped = [f"{r['geometry']}@{r['seq_len']}" for r in rec.data["rows"] if "skipped" in r]
+    skipped += [x["geometry"] for x in rec.data.get("skipped", [])]
+    rec.data["summary"] = ", ".join([f"{r['geometry']}@{r['seq_len']}: {r['tokens_per_s']:.0f} tok/s "
+                                     f"{r['peak_mem_mb'] / 1024:.1f} GiB" for r in ran]
+                                    + ([f"skipped (budget): {' '.join(skipped)}"] if skipped else []))
+
+
+def _train_geometry(cfg: Config, rec: Recorder, deadline: float, geometry: str, geo: dict, precision: str,
+                    world: int, rate: dict[str, float]) -> None:
+    """The train_step rows of one drafter geometry: one engine, the lengths in increasing order."""
     import torch
 
-    from bench.long_context import GEOMETRIES
     from models.attention import resolve_backend
     from train.config import DeepSpeedConfig, TrainConfig
     from train.eagle3 import Eagle3Objective
-    from train.engine import Engine, init_distributed
+    from train.engine import Engine
     from train.trainer import micro_step
     from train.ttt import TTTSettings
 
     dev = cfg.device
-    precision = "fp32" if cfg.dry_run else "bf16"
-    rank, world = init_distributed("gloo" if dev == "cpu" else "nccl")
-    rec.data.update(precision=precision, zero_stage=3, world_size=world, ttt_steps=cfg.train_ttt,
-                    chunk_size=cfg.train_chunk, checkpoint_layer=True, teacher="hidden (full vocabulary)",
-                    peak_mem_kind="cuda max_memory_allocated" if dev == "cuda" else "peak RSS")
-    settings = TTTSettings(steps=cfg.train_ttt, chunk_size=cfg.train_chunk, checkpoint_layer=True)
-    last_s_per_token: float | None = None
-    for geometry in cfg.train_geometries:
-        geo = GEOMETRIES[geometry]
-        if time.time() > deadline - 60:  # building, compiling and one short step take about a minute
-            rec.data.setdefault("skipped", []).append({"geometry": geometry, "reason": "section time budget spent"})
-            continue
-        t0 = time.perf_counter()
-        with torch.device(dev):  # random init on the device: the 120b geometry's vocabulary is 201,088 rows
-            drafter, head = _build_drafter(geo, max(cfg.train_lengths), cfg.train_ttt, attn="auto")
-        engine = Engine(DeepSpeedConfig(zero_stage=3, precision=precision), TrainConfig(
-            ttt_steps=cfg.train_ttt, chunk_size=cfg.train_chunk, warmup_steps=0), 1000)
-        head.to(engine.device, engine.dtype)
-        module = engine.prepare(drafter, keep_gathered=Eagle3Objective.keep_gathered)
-        objective = Eagle3Objective(settings)
-        build_s = time.perf_counter() - t0
-        for T in cfg.train_lengths:
-            repeats = 1 if T > 10_000 else cfg.train_repeats
-            # attention is quadratic in T, the rest linear: the steps at the last rate, plus a recompilation
-            # of the attention kernels for the new length (tens of seconds)
-            if last_s_per_token is not None:
-                guess = (1 + repeats) * last_s_per_token * T * max(1.0, T / 8192) + 40
-                if time.time() + guess > deadline:
-                    rec.row({"geometry": geometry, "seq_len": T, "skipped": f"section time budget (~{guess:.0f} s)"})
-                    continue
-            row: dict[str, Any] = {"geometry": geometry, "seq_len": T, "draft_vocab_size": geo["draft_vocab_size"],
-                                   "hidden_size": geo["hidden_size"], "vocab_size": geo["vocab_size"]}
-            try:
-                batch = _synthetic_batch(drafter, T, seed=T, device=dev)
+    t0 = time.perf_counter()
+    with torch.device(dev):  # random init on the device: the 120b geometry's vocabulary is 201,088 rows
+        drafter, head = _build_drafter(geo, max(cfg.train_lengths), cfg.train_ttt, attn="auto")
+    engine = Engine(DeepSpeedConfig(zero_stage=3, precision=precision), TrainConfig(
+        ttt_steps=cfg.train_ttt, chunk_size=cfg.train_chunk, warmup_steps=0), 1000)
+    head.to(engine.device, engine.dtype)
+    module = engine.prepare(drafter, keep_gathered=Eagle3Objective.keep_gathered)
+    objective = Eagle3Objective(TTTSettings(steps=cfg.train_ttt, chunk_size=cfg.train_chunk, checkpoint_layer=True))
+    rec.data.setdefault("build_s", {})[geometry] = time.perf_counter() - t0
+    for T in cfg.train_lengths:
+        repeats = 1 if T > 10_000 else cfg.train_repeats
+        # attention is quadratic in T, the rest linear: the steps at the last rate, plus a recompilation of
+        # the attention kernels for the new length (tens of seconds)
+        if "s_per_token" in rate:
+            guess = (1 + repeats) * rate["s_per_token"] * T * max(1.0, T / 8192) + 40
+            if time.time() + guess > deadline:
+                rec.row({"geometry": geometry, "seq_len": T, "skipped": f"section time budget (~{guess:.0f} s)"})
+                continue
+        row: dict[str, Any] = {"geometry": geometry, "seq_len": T, "draft_vocab_size": geo["draft_vocab_size"],
+                               "hidden_size": geo["hidden_size"], "vocab_size": geo["vocab_size"]}
+        batch = None
+        try:
+            batch = _synthetic_batch(drafter, T, seed=T, device=dev)
+            t1 = time.perf_counter()
+            packed, _ = micro_step(engine, module, head, batch, objective, world)  # warm-up: compilation
+            engine.step()
+            _sync(dev)
+            row["first_step_s"] = time.perf_counter() - t1
+            _reset_peak(dev)
+            base = torch.cuda.memory_allocated() / 2**20 if dev == "cuda" else None
+            times, losses = [], []
+            for _ in range(repeats):
+                _sync(dev)
                 t1 = time.perf_counter()
-                packed, _ = micro_step(engine, module, head, batch, objective, world)  # warm-up: compilation
+                packed, _ = micro_step(engine, module, head, batch, objective, world)
                 engine.step()
                 _sync(dev)
-                row["first_step_s"] = time.perf_counter() - t1
-                _reset_peak(dev)
-                base = torch.cuda.memory_allocated() / 2**20 if dev == "cuda" else None
-                times, losses = [], []
-                for _ in range(repeats):
-                    _sync(dev)
-                    t1 = time.perf_counter()
-                    packed, _ = micro_step(engine, module, head, batch, objective, world)
-                    engine.step()
-                    _sync(dev)
-                    times.append(time.perf_counter() - t1)
-                    losses.append(float(packed[0]))
-                step_s = statistics.median(times)
-                last_s_per_token = step_s / T
-                row.update(tokens_per_s=T / step_s, step_s=step_s, step_s_all=times, peak_mem_mb=_peak_mb(dev),
-                           mem_before_step_mb=base, loss=losses[-1],
-                           attn_backend=resolve_backend(module.attn_backend, engine.device, engine.dtype))
-                rec.check(f"{geometry}_T{T}_loss_finite", math.isfinite(losses[-1]), value=losses[-1])
-            except torch.cuda.OutOfMemoryError as e:
-                row["error"] = f"OutOfMemoryError: {str(e)[:300]}"
-                rec.check(f"{geometry}_T{T}_fits", False, value=row["error"])
-            row["compiled_graphs"] = _compiled_graphs()  # a recompilation storm shows as a jump here
-            row["plan_prediction"] = plan = _plan_prediction(geometry, geo, T, cfg)
-            if isinstance(plan, dict) and "plan_mb" in plan and row.get("peak_mem_mb"):
-                row["measured_over_plan"] = row["peak_mem_mb"] / plan["plan_mb"]
-            rec.row(row)
-            batch = None
-            _reset_peak(dev)
-        rec.data.setdefault("build_s", {})[geometry] = build_s
-        engine.destroy()
-        del drafter, head, module, engine
+                times.append(time.perf_counter() - t1)
+                losses.append(float(packed[0]))
+            step_s = statistics.median(times)
+            rate["s_per_token"] = step_s / T
+            row.update(tokens_per_s=T / step_s, step_s=step_s, step_s_all=times, peak_mem_mb=_peak_mb(dev),
+                       mem_before_step_mb=base, loss=losses[-1],
+                       attn_backend=resolve_backend(module.attn_backend, engine.device, engine.dtype))
+            rec.check(f"{geometry}_T{T}_loss_finite", math.isfinite(losses[-1]), value=losses[-1])
+        except Exception as e:  # out of memory, a kernel's failure: recorded, the next length still tried
+            row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+            rec.check(f"{geometry}_T{T}_stepped", False, value=row["error"])
+        row["compiled_graphs"] = _compiled_graphs()  # a recompilation storm shows as a jump here
+        row["plan_prediction"] = plan = _plan_prediction(geometry, geo, T, cfg)
+        if isinstance(plan, dict) and "plan_mb" in plan and row.get("peak_mem_mb"):
+            row["measured_over_plan"] = row["peak_mem_mb"] / plan["plan_mb"]
+        rec.row(row)
+        del batch
         _reset_peak(dev)
-    ran = [r for r in rec.data["rows"] if "tokens_per_s" in r]
-    rec.check("some_step_ran", bool(ran), value=len(ran))
-    rec.data["summary"] = ", ".join(f"{r['geometry']}@{r['seq_len']}: {r['tokens_per_s']:.0f} tok/s "
-                                    f"{r['peak_mem_mb'] / 1024:.1f} GiB" for r in ran)
+    engine.destroy()
 
 
 # ---------------------------------------------------------------------------------------------- verify
@@ -697,7 +725,6 @@ def _random_target(geo: dict[str, int], device: str, dtype):
 
 
 def section_verify(cfg: Config, rec: Recorder, deadline: float) -> None:
-
     from eval.budget import time_verify_forward
     from eval.target import TargetRunner
 
@@ -712,22 +739,25 @@ def section_verify(cfg: Config, rec: Recorder, deadline: float) -> None:
             continue
         geo = VERIFY_TARGETS[name]
         L = geo["num_hidden_layers"]
-        runner = TargetRunner(_random_target(geo, cfg.device, dtype), [1, L // 2 - 1, L - 4])
-        time_verify_forward(runner, 1, cfg.verify_context, 1)  # first-call costs land here
-        step = time_verify_forward(runner, 1, cfg.verify_context, cfg.verify_repeats)
-        ratios = {}
-        for block in cfg.verify_blocks:
-            s = step if block == 1 else time_verify_forward(runner, block, cfg.verify_context, cfg.verify_repeats)
-            ratios[block] = s / step
-            rec.row({"target": name, "block": block, "m": block - 1, "verify_s": s, "over_step": s / step})
-        rec.check(f"{name}_timed", all(math.isfinite(r) and r > 0 for r in ratios.values()),
-                  value=len(ratios))
-        summary.append(f"{name} step {step * 1e3:.2f} ms, m={cfg.verify_blocks[-1] - 1}: "
-                       f"{ratios[cfg.verify_blocks[-1]]:.2f}x")
-        del runner
+        try:
+            runner = TargetRunner(_random_target(geo, cfg.device, dtype), [1, L // 2 - 1, L - 4])
+            time_verify_forward(runner, 1, cfg.verify_context, 1)  # first-call costs land here
+            step = time_verify_forward(runner, 1, cfg.verify_context, cfg.verify_repeats)
+            ratios = {}
+            for block in cfg.verify_blocks:
+                s = step if block == 1 else time_verify_forward(runner, block, cfg.verify_context, cfg.verify_repeats)
+                ratios[block] = s / step
+                rec.row({"target": name, "block": block, "m": block - 1, "verify_s": s, "over_step": s / step})
+            rec.check(f"{name}_timed", all(math.isfinite(r) and r > 0 for r in ratios.values()), value=len(ratios))
+            summary.append(f"{name} step {step * 1e3:.2f} ms, m={cfg.verify_blocks[-1] - 1}: "
+                           f"{ratios[cfg.verify_blocks[-1]]:.2f}x")
+        except Exception as e:  # recorded; the next target still runs
+            rec.check(f"{name}_timed", False, value=f"{type(e).__name__}: {str(e)[:300]}")
+        runner = None
         _reset_peak(cfg.device)
     rec.check("some_target_timed", bool(summary))
-    rec.data["summary"] = "; ".join(summary)
+    skipped = [x["target"] for x in rec.data.get("skipped", [])]
+    rec.data["summary"] = "; ".join(summary + ([f"skipped (budget): {', '.join(skipped)}"] if skipped else []))
 
 
 SECTION_FNS: dict[str, Callable[[Config, Recorder, float], None]] = {
