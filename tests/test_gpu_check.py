@@ -76,8 +76,8 @@ def test_a_section_over_budget_is_recorded_and_the_others_run(tmp_path: Path) ->
     assert r.stdout.strip().splitlines()[-3].split()[:2] == ["verify", "timeout"]
 
 
-def test_the_train_step_rows_carry_the_memory_plan_of_the_same_step() -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
+def test_the_train_step_rows_carry_the_memory_plan_of_the_same_step(monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import gpu_check
     from long_context import GEOMETRIES
 
