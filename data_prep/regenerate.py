@@ -247,6 +247,7 @@ class OpenAIBackend:
         # None: $OPENAI_API_KEY, else "EMPTY" (a server started without a key accepts any)
         self._key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or "EMPTY"
         self.where = base_url  # named by RegenerationError
+        self.hint = "; check that the server runs there (regen.base_url) and accepts the key (regen.api_key_env)"
         # retries are ours (below), so the client's own are off
         self.client = openai.OpenAI(base_url=base_url, api_key=self._key, timeout=timeout_s, max_retries=0)
         self.enable_thinking = enable_thinking  # default for SamplingParams.enable_thinking
@@ -491,8 +492,8 @@ def regenerate(
                     where = getattr(backend, "where", type(backend).__name__)
                     raise RegenerationError(
                         f"regeneration stopped: all {len(replies)} requests of the first batch failed at {where}; "
-                        f"the first error: {replies[0].error}. Nothing of this batch was written; check that the "
-                        "server runs there (regen.base_url) and takes the key in $" + API_KEY_ENV)
+                        f"the first error: {replies[0].error}. Nothing of this batch was written"
+                        + getattr(backend, "hint", ""))
                 first_call = first_call and not replies
                 sent = iter(replies)
                 for w, prompt, ok in zip(active, prompts, fits):
