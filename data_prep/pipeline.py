@@ -224,16 +224,16 @@ def tokenizer_hash(tokenizer) -> str:
 
 
 def render_all(cfg: PrepConfig, tokenizer, convs: list[Conversation], preset: TargetPreset):
-    rendered, counts = [], Counter()
     """The training samples of `convs`. A regenerated reply cut at regen.max_new_tokens (Message.cut) never teaches
     the end of turn after it (render_conversation leaves it out of the mask); regen.on_length=drop skips its
     conversation instead. Both are counted."""
+    rendered, counts = [], Counter()
     for conv in convs:
-        result = render_conversation(
         cut = sum(m.cut for m in conv.messages)
         if cut and cfg.regen.on_length == "drop":
             counts[CUT_DROPPED] += 1
             continue
+        result = render_conversation(
             tokenizer, conv.messages, max_length=cfg.max_length, overflow=cfg.overflow,
             template_kwargs=template_kwargs(cfg, preset),
         )
@@ -246,8 +246,8 @@ def render_all(cfg: PrepConfig, tokenizer, convs: list[Conversation], preset: Ta
         if not mask[1:].any():
             counts["render: no trainable assistant token"] += 1
             continue
-        rendered.append(Rendered(conv.id, torch.tensor(result.input_ids), mask))
         counts[CUT_UNMASKED] += cut
+        rendered.append(Rendered(conv.id, torch.tensor(result.input_ids), mask))
     return rendered, counts
 
 
@@ -309,7 +309,6 @@ def _regen_path(out: Path, split: str, part: int, group, seed: int) -> Path:
     return path
 
 
-
 def save_target_files(head: TargetHead, model, tokenizer, out: Path) -> None:
     with writing(out / TARGET_HEAD_FILE):
         head.save(out / TARGET_HEAD_FILE, dtype=torch.float32)
@@ -318,6 +317,7 @@ def save_target_files(head: TargetHead, model, tokenizer, out: Path) -> None:
         (out / TARGET_CONFIG_FILE).write_text(json.dumps(config, indent=1, default=str))
     with writing(out / "tokenizer"):
         tokenizer.save_pretrained(out / "tokenizer")
+
 
 def preflight(cfg: PrepConfig, preset: TargetPreset, tap_layers: list[int]) -> None:
     """Before the target's weights load: its tokenizer has a chat template (or `chat_template=` gives one), and
@@ -457,6 +457,7 @@ def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, head: TargetHead, model,
         "truncated_to_max_length": total["truncated to max_length"],
         "loader_skips": parts[0]["loader_skips"],
         "regen": [p.get("regen") for p in parts],
+        **regen_counts(cfg, total, [p.get("regen") or {} for p in parts]),
         "bytes_written": shard_bytes,
         "rendered_bytes": sum(p.stat().st_size for p in (out / RENDERED_DIR).iterdir() if p.is_file()),
         "bytes_per_token": bytes_per_token(spec)["total"],
@@ -467,7 +468,6 @@ def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, head: TargetHead, model,
         "target_head": asdict(head.spec),
         "fidelity": parts[0]["fidelity"],  # rank 0's probe; every rank checked its own
     }
-        **regen_counts(cfg, total, [p.get("regen") or {} for p in parts]),
     write_prep_summary(out, summary)
     return summary
 
@@ -489,6 +489,7 @@ def run(cfg: PrepConfig) -> dict | None:
     tap_layers = list(cfg.capture.tap_layers or preset.tap_layers)
 
     splits, loader_skips = select_conversations(cfg)
+    cfg = replace(cfg, eval_samples=len(splits["eval"]))  # the default's share, as summary.json records it
     preflight(cfg, preset, tap_layers)
     vllm_python = None  # capture.engine=vllm: its python, checked before any weights load
     if cfg.capture.engine == "vllm" and cfg.stage == "all":
@@ -499,7 +500,6 @@ def run(cfg: PrepConfig) -> dict | None:
     model, tokenizer = load_target(preset, cfg.dtype, device, chat_template=cfg.chat_template, tensor_parallel=tp_size)
     # tensor parallel: the samples are split over the groups (part `part` of `parts`); a group's first rank writes
     group = tensor_parallel_group(model)
-    cfg = replace(cfg, eval_samples=len(splits["eval"]))  # the default's share, as summary.json records it
     part, parts, writes = rank // tp_size, world // tp_size, rank % tp_size == 0
     head = TargetHead.from_hf_model(model)
     spec = ShardSpec(
@@ -566,16 +566,6 @@ def run(cfg: PrepConfig) -> dict | None:
     return summary
 
 
-def print_summary(summary: dict, out: Path) -> None:
-    print(f"\nprep finished → {out}")
-    print(f"  samples  train {summary['samples']['train']}  eval {summary['samples']['eval']}")
-    print(f"  tokens   train {summary['tokens']['train']}  eval {summary['tokens']['eval']}  "
-          f"(loss tokens {summary['loss_tokens_train']})")
-    print("  " + SkipReport.from_dict(summary["loader_skips"]).summary().replace("\n", "\n  "))
-    for reason, n in summary["skipped"].items():
-        print(f"  skipped {n:>7}  {reason}")
-    print(f"  truncated to max_length (kept) {summary['truncated_to_max_length']}")
-    print(f"  written  {summary['bytes_written'] / 2**20:.1f} MiB, {summary['bytes_per_token']} B/token; "
 def regen_counts(cfg: PrepConfig, total: Counter, regen: list[dict]) -> dict:
     """What regeneration left out of or changed in the samples, beside the skips: replies cut at
     regen.max_new_tokens (kept with their end of turn unmasked, or their conversations dropped: regen.on_length)
@@ -592,13 +582,15 @@ def regen_counts(cfg: PrepConfig, total: Counter, regen: list[dict]) -> dict:
     }
 
 
-          f"capture {summary['capture_tokens_per_s']:.0f} tokens/s")
-    for name, b in summary["bytes_per_token_options"].items():
-        print(f"  storage option {name}: {b} B/token")
-    dataset = summary["draft_vocab_count"]["dataset_coverage"]
-    print(f"  draft vocab {summary['draft_vocab_size']} ids, coverage of the train split's loss tokens "
-          f"{summary['draft_vocab_coverage']:.3f}" + ("" if dataset is None else f", of the dataset's {dataset:.3f}"))
-
+def print_summary(summary: dict, out: Path) -> None:
+    print(f"\nprep finished → {out}")
+    print(f"  samples  train {summary['samples']['train']}  eval {summary['samples']['eval']}")
+    print(f"  tokens   train {summary['tokens']['train']}  eval {summary['tokens']['eval']}  "
+          f"(loss tokens {summary['loss_tokens_train']})")
+    print("  " + SkipReport.from_dict(summary["loader_skips"]).summary().replace("\n", "\n  "))
+    for reason, n in summary["skipped"].items():
+        print(f"  skipped {n:>7}  {reason}")
+    print(f"  truncated to max_length (kept) {summary['truncated_to_max_length']}")
     cut, later = summary["regen_cut_replies"], summary["regen_later_turns_dropped"]
     if cut["kept_end_of_turn_unmasked"] or cut["conversations_dropped"]:
         print(f"  regen    replies cut at max_new_tokens={cut['max_new_tokens']}, regen.on_length={cut['on_length']}: "
@@ -607,3 +599,11 @@ def regen_counts(cfg: PrepConfig, total: Counter, regen: list[dict]) -> dict:
     if later["turns"]:
         print(f"  regen    {later['turns']} later assistant turns of {later['conversations']} conversations not "
               f"trained on (regen.max_turns={later['max_turns']})")
+    print(f"  written  {summary['bytes_written'] / 2**20:.1f} MiB, {summary['bytes_per_token']} B/token; "
+          f"capture {summary['capture_tokens_per_s']:.0f} tokens/s")
+    for name, b in summary["bytes_per_token_options"].items():
+        print(f"  storage option {name}: {b} B/token")
+    dataset = summary["draft_vocab_count"]["dataset_coverage"]
+    print(f"  draft vocab {summary['draft_vocab_size']} ids, coverage of the train split's loss tokens "
+          f"{summary['draft_vocab_coverage']:.3f}" + ("" if dataset is None else f", of the dataset's {dataset:.3f}"))
+
