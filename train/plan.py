@@ -335,6 +335,7 @@ class MemoryPlan:
         lines = [head, f"{'component':<{width}}{'GiB':>10}"]
         lines += [f"{k:<{width}}{v / GiB:>10.3f}" for k, v in self.rows.items()]
         lines.append(f"{'total (peak)':<{width}}{self.total / GiB:>10.3f}")
+        lines.append("step activations by phase (GiB): " + ", ".join(f"{k} {v / GiB:.3f}" for k, v in self.phases.items()))
         if abs(self.at_context - self.total) > 0.5 * MiB:
             lines.append(f"{'a step at the context':<{width}}{self.at_context / GiB:>10.3f}")
         if self.device_memory_gb is not None:
@@ -550,6 +551,10 @@ def plan(target: TargetInfo, drafter: DrafterInfo, s: Settings, device_memory_gb
             rows, phases = rows_e, phases_e
             notes.append(f"the peak is a {edge}-token sample's: up to that length the trainer keeps its teacher "
                          f"targets (train.ttt TTTSettings.teacher_cache_mb={s.teacher_cache_mb})")
+    step_phases = [v for k, v in phases.items() if k != "target forward"]
+    if (target.attn_implementation or "sdpa") == "eager" and phases.get("target forward", 0) > max(step_phases):
+        notes.append("the target's capture forward sets the peak: its attn_implementation=eager keeps T x T scores "
+                     "per head (an sdpa/flash forward would not)")
     if s.device == "cuda":
         notes.append("CUDA: the allocator's bytes; the CUDA context and fragmentation come on top (~1-2 GiB)")
     if s.placement == "tp":
