@@ -50,6 +50,7 @@ from data_prep.config import PrepConfig, held_out_count
 from data_prep.conversations import Conversation, Message, SkipReport, load_conversations, split_conversations
 from data_prep.dirlock import claim, holding
 from data_prep.fidelity import check_fidelity, probe_batch
+from data_prep.preemption import Preempted, StopSignals
 from data_prep.rendered import (
     RENDERED_DIR,
     Rendered,
@@ -265,7 +266,8 @@ def length_batches(samples: list[Rendered], batch_tokens: int) -> list[list[Rend
 def capture_split(cfg, head, capture, spec, samples, root: Path, rank: int, device: str, group=None) -> dict:
     """Capture `samples` into this rank's shards (`rank`: the shard files' rank). `group`: a tensor-parallel group
     (capture.tensor_parallel_size > 1): its ranks hold the same samples and run the same forwards together; its
-    first rank writes them."""
+    first rank writes them. SIGTERM/SIGUSR1 (data_prep/preemption.py) end it after the batch in flight: its samples
+    go into a last shard, recorded, and Preempted (exit status 75) is raised; a rerun captures the rest."""
     write = group is None or dist.get_rank(group) == 0
     writer = ShardWriter(root, spec, rank=rank, tokens_per_shard=cfg.capture.tokens_per_shard) if write else None
     done = completed_sample_ids(root)
@@ -277,15 +279,23 @@ def capture_split(cfg, head, capture, spec, samples, root: Path, rank: int, devi
     tokens, start = 0, time.perf_counter()
     bar = tqdm(total=sum(len(s.input_ids) for s in todo), unit="tok", desc=f"capture {root.name} r{rank}",
                disable=rank != 0)
-    for batch in length_batches(todo, cfg.capture.batch_tokens):
-        for sample in capture_samples(capture, head, spec, batch, device):
-            if writer is not None:
-                writer.add(sample)
-            tokens += len(sample)
-        bar.update(sum(len(s.input_ids) for s in batch))
+    stop = 0
+    with StopSignals(f"capture of {root.name}") as signals:
+        for batch in length_batches(todo, cfg.capture.batch_tokens):
+            # a group runs its forwards together, so its ranks agree on stopping (one int over the group)
+            stop = signals.received if group is None else signals.agreed(device, group)
+            if stop:
+                break
+            for sample in capture_samples(capture, head, spec, batch, device):
+                if writer is not None:
+                    writer.add(sample)
+                tokens += len(sample)
+            bar.update(sum(len(s.input_ids) for s in batch))
     bar.close()
     if writer is not None:
         writer.close()
+    if stop:
+        raise Preempted(stop)
     return {"samples": len(todo), "tokens": tokens, "seconds": time.perf_counter() - start,
             "skipped_already_done": len(samples) - len(todo), "bytes_written": writer.bytes_written if write else 0}
 
@@ -482,7 +492,15 @@ def run(cfg: PrepConfig) -> dict | None:
     rank, world = _world()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    _lock = claim(out, "prep", rank, world)  # one writer per prep dir, held until this returns (data_prep/dirlock.py)
+    lock = claim(out, "prep", rank, world)  # one writer per prep dir (data_prep/dirlock.py)
+    try:
+        return _run_claimed(cfg, out, rank, world)
+    finally:  # released on an error too: a failed prep must not keep its directory locked in this process
+        if lock is not None:
+            lock.release()
+
+
+def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | None:
     preset = resolve_target(cfg.model)
     cfg = with_preset_defaults(cfg, preset)
     device = _device(cfg)
