@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """The memory plan (train/plan.py) against measured peak memory: one real training step per configuration.
 
-    python bench/plan_check.py                      # 2K and 8K tokens x 1/2 ranks x offline/online (~15 min)
+    python bench/plan_check.py                      # 2K and 8K tokens x 1/2 ranks x offline/online
     python bench/plan_check.py --tokens 2048 --ranks 1 --sources offline
+    python bench/plan_check.py --replan             # the plan again against the recorded measurements
 
 Each configuration runs in a FRESH process (2 ranks: torchrun, gloo), so its peak RSS belongs to it alone. The
 step is the trainer's: the embedded target's EAGLE-3 drafter (hidden 576, vocab 49,152, Vd 32,000, K=7, loss
@@ -229,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"runtime_mb": runtime}), flush=True)
         measured = []
     results: list[dict] = []
+    grid = [(int(t), int(r), src) for t in args.tokens.split(",") for r in args.ranks.split(",")
+            for src in args.sources.split(",")]
     todo = measured or [(int(t), int(r), src, None) for t in args.tokens.split(",") for r in args.ranks.split(",")
                         for src in args.sources.split(",")]
     for tokens, ranks, source, got in todo:
@@ -238,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
                "rel_error": round(pl["plan_mb"] / got["peak_rss_mb"] - 1, 4), "per_rank": got["per_rank"]}
         print(json.dumps({k: v for k, v in row.items() if k != "per_rank"}), flush=True)
         results.append(row)
-        write(out, runtime, results, [])  # after every configuration: a crash keeps what ran
+        write(out, runtime, results, [], grid)  # after every configuration: a crash keeps what ran
     bench_rows = []
     for r in json.loads(LONG_CONTEXT_FILE.read_text()):
         pl = predict(r["seq_len"], 1, "offline", runtime["bench"], bench=True)
@@ -246,19 +249,22 @@ def main(argv: list[str] | None = None) -> None:
                            "measured_peak_mb": r["peak_mem_mb"], **pl,
                            "rel_error": round(pl["plan_mb"] / r["peak_mem_mb"] - 1, 4)})
         print(json.dumps(bench_rows[-1]), flush=True)
-    write(out, runtime, results, bench_rows)
+    write(out, runtime, results, bench_rows, grid)
     plot(results, bench_rows, out.with_suffix(".png"))
 
 
-def write(out: Path, runtime: dict, results: list[dict], bench_rows: list[dict]) -> None:
+def write(out: Path, runtime: dict, results: list[dict], bench_rows: list[dict], grid: list[tuple]) -> None:
+    done = {(r["tokens"], r["ranks"], r["source"]) for r in results}
     record = {
         "what": "train/plan.py's per-device prediction vs the measured peak RSS of one training step (CPU)",
         "target": TARGET, "draft_vocab_size": VD, "ttt_steps": K, "chunk_size": CHUNK, "checkpoint_layer": True,
         "precision": "fp32", "zero_stage": 3, "attn_backend": "fused", "malloc_mmap_threshold": 65536,
-        "runtime": {"what": "peak RSS of a fresh process before it builds anything: the plan's `runtime` row",
+        "runtime": {"what": "peak RSS of a fresh process before it builds anything: the plan's `runtime` row (each "
+                            "worker's own runtime_mb, taken once its process group is up, is in per_rank)",
                     "train_process_mb": runtime["train"], "bench_long_context_process_mb": runtime["bench"]},
         "configurations": results,
         "max_abs_rel_error": max((abs(r["rel_error"]) for r in results), default=None),
+        "not_measured": [dict(zip(("tokens", "ranks", "source"), g)) for g in grid if g not in done],
         "long_context_embedded": {
             "what": "measured peaks from bench/results/long_context_embedded.json (not rerun here): bf16, plain "
                     "torch AdamW, no DeepSpeed; the plan configured the same way",
