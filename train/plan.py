@@ -186,9 +186,11 @@ def describe_drafter(cfg, target: TargetInfo) -> DrafterInfo:
         raise PlanError(f"model.method={m.method}: the plan models the TTT step (eagle3, eagle1); "
                         f"{m.method}'s own training step is not modelled")
     overrides = {k: getattr(m, k) for k in GEOMETRY_OVERRIDES if getattr(m, k) is not None}
-    vd = m.draft_vocab_size if m.draft_vocab_size and m.draft_vocab_size > 0 else None
+    # model.draft_vocab_size: None = the prep's (the preset's default), <= 0 = the whole vocabulary
+    vocab = target_geometry(target.config)["vocab_size"]
+    vd = target.draft_vocab_size if m.draft_vocab_size is None else (m.draft_vocab_size if m.draft_vocab_size > 0 else vocab)
     taps = list(m.tap_layers or target.tap_layers)
-    wanted = {"draft_vocab_size": vd or target.draft_vocab_size, "aux_layer_ids": taps,
+    wanted = {"draft_vocab_size": min(vd, vocab), "aux_layer_ids": taps,
               "fc_norm": m.fc_norm, "norm_output": m.norm_output}
     # the keywords this family's config takes (its from_target_config's own, or its dataclass fields)
     accepted = set(inspect.signature(fam.config_cls.from_target_config).parameters) | set(
