@@ -20,6 +20,9 @@
 
 Outputs under out_dir (a run) or out_dir/job<N> (a sweep job): config.yaml (resolved), train.log,
 metrics.jsonl, summary.json, checkpoints/, export/ (config.json + model.safetensors for vLLM/SGLang).
+Preemption: SIGTERM or SIGUSR1 to any worker (or SIGTERM to torchrun, which forwards it) checkpoints every rank
+at the next optimizer step and exits with status 75 (data_prep/preemption.py); train.resume=true continues.
+Several nodes and SLURM: docs/cluster.md, launch/slurm/.
 Config schema: train/config.py; groups and presets: conf/. Multi-node needs out_dir and data.dir on a
 filesystem every node sees (rank 0 writes checkpoints; every rank reads them on resume).
 """
@@ -30,6 +33,7 @@ import sys
 from hydra.core.hydra_config import HydraConfig
 
 from launch.paths import CONF_DIR
+from data_prep.preemption import Preempted
 from launch.errors import hydra_main
 from train.config import ConfigError, RunConfig, register_configs
 from train.engine import shutdown_distributed
@@ -53,7 +57,11 @@ def cli() -> None:
     if rank != 0:  # one .hydra/ per run dir, written by rank 0; each rank its own log file
         sys.argv += ["hydra.output_subdir=null",
                      f"hydra.job_logging.handlers.file.filename=${{hydra.runtime.output_dir}}/train.rank{rank}.log"]
-    main()
+    try:
+        main()
+    except Preempted:  # checkpointed at the stop step: exit status PREEMPTED (75)
+        shutdown_distributed()
+        raise
     shutdown_distributed()
 
 

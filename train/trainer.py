@@ -29,6 +29,7 @@ from torch import Tensor
 
 from data_prep.config import ConfigError
 from data_prep.dirlock import LOCK_FILE, DirLock, claim
+from data_prep.preemption import Preempted, StopSignals, signal_name
 from train import checkpoint
 from train.build import load_head
 from train.config import RunConfig
@@ -280,13 +281,14 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
     cfg.validate(world)
     lock = claim_run_dir(cfg, Path(run_dir), rank, world)  # before anything is read or written
     try:
-        return _train(cfg, Path(run_dir), rank, world, t0)
+        with StopSignals("training") as signals:  # SIGTERM/SIGUSR1: checkpoint and exit (data_prep/preemption.py)
+            return _train(cfg, Path(run_dir), rank, world, t0, signals)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float) -> dict:
+def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, signals: StopSignals) -> dict:
     sp = SequenceParallel.from_config(cfg)  # collective: every rank creates every group
     data_rank, data_world = sp.data_parallel(rank, world)
     t, prep = cfg.train, Path(cfg.data.dir)
@@ -337,11 +339,11 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float) -> d
 
     logger = MetricsLogger(cfg.logger, run_dir, rank, dataclasses.asdict(cfg), steps_total, step)
     window, last_eval, last_saved, eval_metrics = None, -1, step, None
-    tokens_total = 0
+    tokens_total, stop = 0, 0
     if eval_data is not None and t.eval_interval and step == 0:
         logger.log("eval", 0, evaluate(engine, module, head, eval_data, objective, sp))  # the untrained baseline
     engine.train()
-    while step < steps_total and (t.stop_after_steps is None or step < t.stop_after_steps):
+    while not stop and step < steps_total and (t.stop_after_steps is None or step < t.stop_after_steps):
         for batch in train_data.epoch(cursor.epoch, cursor.batch):
             objective.start_batch(cursor.epoch, cursor.batch)
             cursor.batch += 1
@@ -369,11 +371,14 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float) -> d
             if t.save_interval and step % t.save_interval == 0:
                 save_checkpoint(engine, module, run_dir, step, cursor, cfg, steps_total)
                 last_saved = step
+            # A stop signal seen by any rank stops every rank here, after the same step (one int all-reduced)
+            stop = signals.agreed(engine.device)
             window.reset()  # after eval/save, so tokens/s measures training only
-            if step >= steps_total or (t.stop_after_steps is not None and step >= t.stop_after_steps):
+            if stop or step >= steps_total or (t.stop_after_steps is not None and step >= t.stop_after_steps):
                 break
 
     finished = step >= steps_total
+    preempted = stop if not finished else 0  # a signal after the last step changes nothing
     train_data.close()  # hybrid: its buffered samples into shards
     if last_saved != step:
         save_checkpoint(engine, module, run_dir, step, cursor, cfg, steps_total)
@@ -384,6 +389,7 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float) -> d
         export(engine, module, run_dir / "export", cfg.model.method, prep_target(cfg.data.dir))
     summary = {
         "finished": finished,
+        "preempted": signal_name(preempted),  # stopped by this signal at `steps`, resumable (exit status 75)
         "steps": step,
         "total_steps": steps_total,
         "epoch": cursor.epoch + cursor.batch / train_data.batches_per_epoch,
@@ -407,6 +413,9 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float) -> d
                  None if eval_metrics is None else round(eval_metrics["sim_tau"], 3))
     logger.close()
     engine.destroy()
+    if preempted:
+        dist.barrier()  # no rank exits before rank 0 has written the summary
+        raise Preempted(preempted)
     return summary if rank == 0 else {}
 
 
