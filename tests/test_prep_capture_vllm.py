@@ -209,7 +209,7 @@ needs_vllm = pytest.mark.skipif(
 )
 # Tolerances the real engine is held to (fp32 both sides): max abs difference relative to the largest magnitude
 # of each tap / the teacher, and the argmax of the logits the prep's head recomputes from the teacher. Measured
-# (bench/results/vllm_capture.json): ~2e-7 relative, every argmax the same.
+# (bench/results/vllm_capture.json, 40 samples): at most 1.5e-6 relative, every argmax the same.
 REL_TOL = 1e-5
 ARGMAX_AGREEMENT = 0.999
 
