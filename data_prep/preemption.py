@@ -84,5 +84,13 @@ class StopSignals:
         return int(flag.item())
 
 
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """A DataLoader worker's init (worker_init_fn): STOP_SIGNALS ignored. SLURM signals every process of a job step,
+    and a loader worker ended by the signal would fail the training step that waits on it instead of letting the
+    training process stop at its step boundary; the loader ends its workers itself when training stops."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def signal_name(signum: int) -> str | None:
     return signal.Signals(signum).name if signum else None

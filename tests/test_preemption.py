@@ -83,8 +83,9 @@ def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float =
         time.sleep(0.05)
 
 
-def worker_pid(launcher: int, rank: int) -> int:
-    """The pid of the worker of `rank` that torchrun process `launcher` started (its child with RANK=<rank>)."""
+def children(parent: int) -> dict[int, list[bytes]]:
+    """The processes whose parent is `parent`: pid -> environment."""
+    out = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -93,9 +94,16 @@ def worker_pid(launcher: int, rank: int) -> int:
             environ = (proc / "environ").read_bytes().split(b"\0")
         except (OSError, IndexError):
             continue
-        if ppid == launcher and f"RANK={rank}".encode() in environ:
-            return int(proc.name)
-    raise AssertionError(f"no worker of rank {rank} under pid {launcher}")
+        if ppid == parent:
+            out[int(proc.name)] = environ
+    return out
+
+
+def worker_pid(launcher: int, rank: int) -> int:
+    """The pid of the worker of `rank` that torchrun process `launcher` started (its child with RANK=<rank>)."""
+    found = [pid for pid, env in children(launcher).items() if f"RANK={rank}".encode() in env]
+    assert found, f"no worker of rank {rank} under pid {launcher}"
+    return found[0]
 
 
 def train_records(run: Path) -> dict[int, dict]:
@@ -165,11 +173,15 @@ def test_training_stopped_by_signals_resumes_bit_identical(prep: Path, tmp_path:
 
 
 def test_one_process_exits_preempted(prep: Path, tmp_path: Path) -> None:
-    """Without torchrun the process's own status is the documented one."""
+    """Without torchrun the process's own status is the documented one. The signal goes to the training process
+    and to its DataLoader worker at once, as SLURM signals every process of a job step."""
     run = tmp_path / "one"
-    proc = start(run, prep, nproc=None)
+    proc = start(run, prep, "data.num_workers=1", nproc=None)
     wait_for_step(run, 1, proc)
-    proc.send_signal(signal.SIGTERM)
+    loader_workers = list(children(proc.pid))
+    assert loader_workers  # data.num_workers=1
+    for pid in [proc.pid, *loader_workers]:
+        os.kill(pid, signal.SIGTERM)
     code, log = finish(proc)
     assert code == PREEMPTED, log[-4000:]
     assert_stopped_at_checkpoint(run, "SIGTERM", 1)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from data_prep.preemption import ignore_stop_signals
 from data_prep.shards import MANIFEST, ShardError, ShardSet, finished_prep
 from train.batch import PAD_ID, Batch, collate
 from train.config import DataConfig
@@ -284,6 +285,7 @@ class ShardBatches:
             batch_sampler=plan,
             collate_fn=partial(_collate, max_len=self.cfg.max_len),
             num_workers=self.cfg.num_workers,
+            worker_init_fn=ignore_stop_signals if self.cfg.num_workers else None,  # preemption: the trainer stops
         )
         yield from loader
 
