@@ -45,7 +45,7 @@ class Preempted(SystemExit):
 class StopSignals:
     """While installed (a context manager), STOP_SIGNALS set `received` (the last signal's number) instead of
     ending the process. Restores the previous handlers on exit, except when Preempted leaves it (the process then
-    exits with PREEMPTED whatever else arrives). In the main thread only (Python's rule)."""
+    exits with PREEMPTED, STOP_SIGNALS ignored). In the main thread only (Python's rule)."""
 
     def __init__(self, what: str):
         self.what, self.received = what, 0
@@ -65,7 +65,10 @@ class StopSignals:
     def __exit__(self, kind, *exc) -> None:
         if kind is not None and issubclass(kind, Preempted):
             # The process is on its way out with PREEMPTED: torchrun SIGTERMs the workers still running when the
-            # first one exits, which must not turn a rank's clean exit into a death by signal.
+            # first one exits, which must not turn a rank's clean exit into a death by signal. Ignored, not left to
+            # the handler: Python resets its handlers to the default early in interpreter shutdown.
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
             return
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]

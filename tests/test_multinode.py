@@ -165,9 +165,9 @@ def test_two_nodes_prep_writes_the_shards_of_one_node(tmp_path, tiny_target_dir,
 
     one, two = tmp_path / "one_node", tmp_path / "two_nodes"
     start_all([*jobs(one, 1, 2), *jobs(two, 2, 1)])
+    assert files(one) == files(two)  # every file once (summary.json, the vocabulary, the head: rank 0's)
     shard_files = [f for f in files(one) if f.split("/")[0] in ("train", "eval")]
-    assert any("shards/r001-" in f for f in shard_files) and shard_files == [
-        f for f in files(two) if f.split("/")[0] in ("train", "eval")]
+    assert any("shards/r001-" in f for f in shard_files)
     for f in [*shard_files, "draft_vocab.safetensors", "target_head.safetensors"]:
         assert (one / f).read_bytes() == (two / f).read_bytes(), f  # byte for byte
     s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one, two))

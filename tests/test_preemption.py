@@ -5,6 +5,7 @@ Training, 2 processes under torchrun on a tiny synthetic prep, checkpoints far a
   ref  uninterrupted, 16 steps
   P    SIGTERM to the torchrun launcher once step 2 is logged -> stops at s1, checkpoint step s1 written;
        resumed, SIGUSR1 to the rank-1 worker alone -> stops at s2 > s1, every worker exits 75;
+       resumed, SIGUSR1 to the launcher started with --signals-to-handle ...,SIGUSR1 -> stops at s3 > s2;
        resumed again to the end: every step's loss, lr and the final weights equal ref's bit for bit.
 The signal lands wherever the run is; what is asserted holds for any stop step.
 """
@@ -28,6 +29,7 @@ from data_prep.preemption import PREEMPTED
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 16
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # what torchrun forwards to its workers by default
 COMMON = [
     "+exp=debug", f"train.max_steps={STEPS}", "train.epochs=20", "train.ttt_steps=3", "train.chunk_size=8",
     "data.batch_size=4", "data.eval_batch_size=2", "data.eval_max_samples=4", "train.eval_interval=0",
@@ -52,14 +54,16 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start(out: Path, prep: Path, *overrides: str, nproc: int | None = 2, env: dict | None = None) -> subprocess.Popen:
-    """launch/train.py under torchrun with `nproc` processes (None: plain python, 1 process)."""
+def start(out: Path, prep: Path, *overrides: str, nproc: int | None = 2, torchrun: tuple[str, ...] = ()
+          ) -> subprocess.Popen:
+    """launch/train.py under torchrun (options `torchrun`) with `nproc` processes (None: plain python, 1 process)."""
     script = [str(ROOT / "launch" / "train.py"), *COMMON, f"data.dir={prep}", f"out_dir={out}", *overrides]
     launcher = [sys.executable]
     if nproc is not None:
-        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
+                     *torchrun]
     return subprocess.Popen([*launcher, *script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env or clean_env(), cwd=ROOT)
+                            env=clean_env(), cwd=ROOT)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
@@ -153,8 +157,16 @@ def test_training_stopped_by_signals_resumes_bit_identical(prep: Path, tmp_path:
     assert code == 1 and log.count(f"exitcode  : {PREEMPTED}") == 2, log[-4000:]  # torchrun lists each worker's
     s2 = assert_stopped_at_checkpoint(run, "SIGUSR1", s1)
 
-    third = start(run, prep, "train.resume=true")
+    # SIGUSR1 (SLURM's --signal) to the launcher: forwarded only when torchrun is told to handle it
+    third = start(run, prep, "train.resume=true", torchrun=("--signals-to-handle", f"{TORCHRUN_SIGNALS},SIGUSR1"))
+    wait_for_step(run, s2 + 1, third)
+    third.send_signal(signal.SIGUSR1)
     code, log = finish(third)
+    assert code == 1 and "Received 10 death signal" in log, log[-4000:]
+    s3 = assert_stopped_at_checkpoint(run, "SIGUSR1", s2)
+
+    last = start(run, prep, "train.resume=true")
+    code, log = finish(last)
     assert code == 0, log[-4000:]
     code, log = finish(reference)
     assert code == 0, log[-4000:]
@@ -164,12 +176,12 @@ def test_training_stopped_by_signals_resumes_bit_identical(prep: Path, tmp_path:
     assert sorted(r) == sorted(x) == list(range(1, STEPS + 1))
     for step in r:  # bit-identical: the same batches in the same order, the same state after each stop
         assert (r[step]["loss"], r[step]["lr"], r[step]["acc_k"]) == (x[step]["loss"], x[step]["lr"],
-                                                                        x[step]["acc_k"]), (step, s1, s2)
+                                                                        x[step]["acc_k"]), (step, s1, s2, s3)
     wr = load_file(str(run / "checkpoints" / f"step_{STEPS:06d}" / "model.safetensors"))
     wx = load_file(str(ref / "checkpoints" / f"step_{STEPS:06d}" / "model.safetensors"))
     assert wr.keys() == wx.keys() and all(torch.equal(wr[k], wx[k]) for k in wr)
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == [
-        f"step_{s:06d}" for s in (s1, s2, STEPS)]
+        f"step_{s:06d}" for s in (s1, s2, s3, STEPS)]
 
 
 def test_one_process_exits_preempted(prep: Path, tmp_path: Path) -> None:
