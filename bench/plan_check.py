@@ -185,7 +185,7 @@ def plot(results: list[dict], bench_rows: list[dict], path: Path) -> None:
         measured.append(r["measured_peak_mb"] / 1024)
         planned.append(r["plan_mb"] / 1024)
     for r in bench_rows:
-        labels.append(f"{r['tokens'] // 1024}K bench")
+        labels.append(f"{r['tokens'] // 1024}K long_context (file)")
         measured.append(r["measured_peak_mb"] / 1024)
         planned.append(r["plan_mb"] / 1024)
     x = range(len(labels))
