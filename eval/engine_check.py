@@ -148,10 +148,9 @@ def spec_counters(metrics_text: str) -> dict:
 
 def check_export(drafter: str, preset, tokenizer) -> None:
     """Before vLLM starts: an export with non-finite weights, or one trained for another target, stops the check
-    with its reason (exit status 2, launch.errors.USER_ERROR), as our evaluator refuses it (eval/run.py)."""
+    with its reason (exit status 2, as launch/errors.py gives a user error), as our evaluator refuses it (eval/run.py)."""
     from data_prep.targets import load_target_config
     from eval.target import target_fingerprint
-    from launch.errors import USER_ERROR
     from models.eagle3 import Eagle3Config
     from models.export import CONFIG_FILE, TARGET_KEY, ExportError, check_tap_layers, check_target
     from models.export import read_weights as read_export_weights
@@ -166,7 +165,7 @@ def check_export(drafter: str, preset, tokenizer) -> None:
         check_tap_layers(raw.get(TARGET_KEY), cfg.aux_layer_ids, f"drafter {drafter}")
     except (ExportError, ValueError) as e:  # ValueError: a config.json vLLM's EAGLE-3 loader cannot take either
         print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(USER_ERROR) from None
+        raise SystemExit(2) from None  # the user-error status of every launcher (launch/errors.py)
 
 
 def main() -> None:
