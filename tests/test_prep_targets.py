@@ -10,6 +10,7 @@ from data_prep.targets import default_tap_layers, list_presets, resolve_target
 EXPECTED = {  # name: (hub id, layers, hidden, vocab, chat format)
     "smollm2-135m-instruct": ("HuggingFaceTB/SmolLM2-135M-Instruct", 30, 576, 49152, "chatml"),
     "llama-3.1-8b-instruct": ("meta-llama/Llama-3.1-8B-Instruct", 32, 4096, 128256, "llama3"),
+    "llama-3.3-70b-instruct": ("meta-llama/Llama-3.3-70B-Instruct", 80, 8192, 128256, "llama3"),
     "qwen3-8b": ("Qwen/Qwen3-8B", 36, 4096, 151936, "chatml-thinking"),
     "qwen3-30b-a3b": ("Qwen/Qwen3-30B-A3B", 48, 2048, 151936, "chatml-thinking"),
     "gpt-oss-20b": ("openai/gpt-oss-20b", 24, 2880, 201088, "harmony"),

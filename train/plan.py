@@ -65,6 +65,10 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
         "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
         "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False,
         "rope_theta": 500000.0, "rope_scaling": _LLAMA3_ROPE, "max_position_embeddings": 131072},
+    "meta-llama/Llama-3.3-70B-Instruct": {
+        "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False,
+        "rope_theta": 500000.0, "rope_scaling": _LLAMA3_ROPE, "max_position_embeddings": 131072},
 }
 
 
