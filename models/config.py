@@ -1,13 +1,17 @@
 """What every drafter family's config takes from the target: its geometry and RoPE (`target_geometry`,
-`rope_from_hf`), the length a drafter is exported for (`for_trained_length`), and the pre-flight check prep
-runs (`check_target`). Each family's own config lives with its model (models/eagle3.py, eagle1.py, dflash.py).
+`rope_from_hf`), the checks every family's config runs on them (`check_geometry`, `check_layer_ids`), the
+length a drafter is exported for (`for_trained_length`), and the pre-flight check prep runs (`check_target`:
+those same checks, on the target's config). Each family's own config lives with its model (models/eagle3.py,
+eagle1.py, dflash.py), which builds on this module; this module imports no family.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
+from types import SimpleNamespace
 from typing import Any, TypeVar
+
+from models.rope import SUPPORTED_ROPE_TYPES
 
 FULL_ATTENTION = "full_attention"  # the layer type whose rotary settings a drafter takes (rope_from_hf)
 
@@ -117,14 +121,53 @@ def target_geometry(hf_config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def check_target(hf_config: dict[str, Any], tap_layers: list[int]) -> None:
-    """Raise what training will raise when it builds a drafter for this target reading `tap_layers`: its
-    geometry and RoPE layout (`target_geometry`) and the tap ids (`Eagle3Config.validate`), by the same code.
-    Prep calls it before the target's weights load, so it never makes a prep that training refuses."""
-    from models.eagle3 import Eagle3Config  # lazily: models/eagle3.py builds on this module
+GEOMETRY_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size",
+                   "head_dim", "max_position_embeddings")
 
+
+def check_geometry(cfg: Any, what: str, positive: tuple[str, ...] = ()) -> None:
+    """Raise ValueError(f"{what}: ...") where a drafter config's Llama-block geometry (the fields
+    `target_geometry` gives every family, head_dim resolved; plus the family's own `positive` int fields) cannot
+    be built: what every family's `validate` and prep's `check_target` check, once."""
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ValueError(f"{what}: {msg}")
+
+    for name in (*GEOMETRY_FIELDS, *positive):
+        value = getattr(cfg, name)
+        need(isinstance(value, int) and value > 0, f"{name} must be a positive int, got {value!r}")
+    need(cfg.num_attention_heads % cfg.num_key_value_heads == 0,
+         f"num_attention_heads ({cfg.num_attention_heads}) must be a multiple of num_key_value_heads "
+         f"({cfg.num_key_value_heads})")
+    need(cfg.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {cfg.head_dim}")
+    hidden_act = getattr(cfg, "hidden_act", "silu")
+    need(hidden_act == "silu", f"only hidden_act='silu' (SwiGLU) is implemented, got {hidden_act!r}")
+    need(cfg.rms_norm_eps > 0, "rms_norm_eps must be > 0")
+    if cfg.rope_scaling is not None:
+        rope_type = cfg.rope_scaling.get("rope_type")
+        need(rope_type in SUPPORTED_ROPE_TYPES, f"rope_type {rope_type!r} not in {SUPPORTED_ROPE_TYPES}")
+
+
+def check_layer_ids(ids: list[int], num_layers: int | None, what: str, name: str) -> None:
+    """Raise ValueError(f"{what}: ...") unless `ids` (called `name`) are distinct 0-based decoder layer ids of a
+    `num_layers`-layer target (None: range unchecked)."""
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ValueError(f"{what}: {msg}")
+
+    need(len(ids) > 0, f"{name} is empty")
+    need(len(set(ids)) == len(ids), f"duplicate {name} {ids}")
+    need(min(ids) >= 0, f"{name} are 0-based and must be >= 0: {ids}")
+    if num_layers is not None:
+        need(max(ids) < num_layers, f"{name} {ids} out of range for a {num_layers}-layer target")
+
+
+def check_target(hf_config: dict[str, Any], tap_layers: list[int]) -> None:
+    """Raise what training will raise when it builds a drafter (any family) for this target reading
+    `tap_layers`: its geometry and RoPE layout (`target_geometry`, `check_geometry`) and the tap ids
+    (`check_layer_ids`), by the code every family's config validates with. Prep calls it before the target's
+    weights load, so it never makes a prep that training refuses."""
     geometry = target_geometry(hf_config)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the engines' 3-tap warning concerns an export, not a prep's taps
-        Eagle3Config.from_target_config(hf_config, draft_vocab_size=geometry["vocab_size"],
-                                        aux_layer_ids=list(tap_layers))
+    head_dim = geometry["head_dim"] or geometry["hidden_size"] // geometry["num_attention_heads"]
+    check_geometry(SimpleNamespace(**{**geometry, "head_dim": head_dim}), "target")
+    check_layer_ids(list(tap_layers), geometry["num_target_layers"], "target", "tap_layers")

@@ -41,10 +41,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from models.config import layer_geometry, rope_from_hf, rope_keys, target_geometry
+from models.config import (
+    check_geometry,
+    check_layer_ids,
+    layer_geometry,
+    rope_from_hf,
+    rope_keys,
+    target_geometry,
+)
 from models.export import CONFIG_FILE, check_keys, load_tensors, read_weights, write_export
 from models.layers import MLP, RMSNorm
-from models.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, apply_rope
+from models.rope import RotaryEmbedding, apply_rope
 from models.target_head import EMBED_AND_LM_HEAD, EMBED_KEY, LM_HEAD_KEY
 
 __all__ = ["DFlashCache", "DFlashConfig", "DFlashDrafter", "default_target_layer_ids", "load_export", "save_export"]
@@ -106,29 +113,11 @@ class DFlashConfig:
             if not ok:
                 raise ValueError(f"DFlashConfig: {msg}")
 
-        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-                     "vocab_size", "num_hidden_layers", "head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            need(isinstance(value, int) and value > 0, f"{name} must be a positive int, got {value!r}")
-        assert self.head_dim is not None
-        need(self.num_attention_heads % self.num_key_value_heads == 0,
-             f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
-             f"({self.num_key_value_heads})")
-        need(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
+        check_geometry(self, "DFlashConfig", positive=("num_hidden_layers",))
         need(self.block_size >= 2, f"block_size must be >= 2 (one known token + predictions), got {self.block_size}")
         need(0 <= self.mask_token_id < self.vocab_size,
              f"mask_token_id {self.mask_token_id} is not a target token id (vocab_size {self.vocab_size})")
-        ids = self.target_layer_ids
-        need(len(ids) > 0 and len(set(ids)) == len(ids) and min(ids) >= 0,
-             f"target_layer_ids must be distinct 0-based layer ids, got {ids}")
-        if self.num_target_layers is not None:
-            need(max(ids) < self.num_target_layers,
-                 f"target_layer_ids {ids} out of range for a {self.num_target_layers}-layer target")
-        need(self.hidden_act == "silu", f"only hidden_act='silu' (SwiGLU) is implemented, got {self.hidden_act!r}")
-        need(self.rms_norm_eps > 0, "rms_norm_eps must be > 0")
-        if self.rope_scaling is not None:
-            rope_type = self.rope_scaling.get("rope_type")
-            need(rope_type in SUPPORTED_ROPE_TYPES, f"rope_type {rope_type!r} not in {SUPPORTED_ROPE_TYPES}")
+        check_layer_ids(self.target_layer_ids, self.num_target_layers, "DFlashConfig", "target_layer_ids")
         return self
 
     @classmethod

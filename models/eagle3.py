@@ -39,10 +39,17 @@ import torch
 from torch import Tensor, nn
 
 from models.attention import DecodeCache, TTTCache
-from models.config import layer_geometry, rope_from_hf, rope_keys, target_geometry
+from models.config import (
+    check_geometry,
+    check_layer_ids,
+    layer_geometry,
+    rope_from_hf,
+    rope_keys,
+    target_geometry,
+)
 from models.export import CONFIG_FILE, check_keys, load_tensors, read_weights, write_export
 from models.layers import MLP, DraftAttention, RMSNorm
-from models.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding
+from models.rope import RotaryEmbedding
 from models.target_head import EMBED_KEY
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -100,32 +107,11 @@ class Eagle3Config:
         return self.n_taps * self.target_hidden_size
 
     def validate(self) -> Eagle3Config:
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ValueError(f"Eagle3Config: {msg}")
-
-        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-                     "vocab_size", "draft_vocab_size", "head_dim", "target_hidden_size",
-                     "max_position_embeddings"):
-            value = getattr(self, name)
-            need(isinstance(value, int) and value > 0, f"{name} must be a positive int, got {value!r}")
-        need(self.num_attention_heads % self.num_key_value_heads == 0,
-             f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
-             f"({self.num_key_value_heads})")
-        need(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
-        need(self.draft_vocab_size <= self.vocab_size,
-             f"draft_vocab_size ({self.draft_vocab_size}) > vocab_size ({self.vocab_size})")
-        need(len(self.aux_layer_ids) > 0, "aux_layer_ids is empty")
-        need(len(set(self.aux_layer_ids)) == len(self.aux_layer_ids), f"duplicate aux_layer_ids {self.aux_layer_ids}")
-        need(min(self.aux_layer_ids) >= 0, f"aux_layer_ids are 0-based and must be >= 0: {self.aux_layer_ids}")
-        if self.target_num_layers is not None:
-            need(max(self.aux_layer_ids) < self.target_num_layers,
-                 f"aux_layer_ids {self.aux_layer_ids} out of range for a {self.target_num_layers}-layer target")
-        need(self.hidden_act == "silu", f"only hidden_act='silu' (SwiGLU) is implemented, got {self.hidden_act!r}")
-        need(self.rms_norm_eps > 0, "rms_norm_eps must be > 0")
-        if self.rope_scaling is not None:
-            rope_type = self.rope_scaling.get("rope_type")
-            need(rope_type in SUPPORTED_ROPE_TYPES, f"rope_type {rope_type!r} not in {SUPPORTED_ROPE_TYPES}")
+        check_geometry(self, "Eagle3Config", positive=("draft_vocab_size", "target_hidden_size"))
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"Eagle3Config: draft_vocab_size ({self.draft_vocab_size}) > vocab_size "
+                             f"({self.vocab_size})")
+        check_layer_ids(self.aux_layer_ids, self.target_num_layers, "Eagle3Config", "aux_layer_ids")
         if self.n_taps != 3:
             warnings.warn(f"{self.n_taps} taps: vLLM and SGLang build fc with 3 * target_hidden_size inputs, "
                           "so this drafter will only load in this project", stacklevel=2)
@@ -398,13 +384,9 @@ def load_export(
     takes its [V, H] embedding ("embed_tokens.weight", which wins over one stored in the checkpoint) and no
     other. target_num_layers: needed only for configs without eagle_aux_hidden_state_layer_ids."""
     embed_weight = (target_weights or {}).get(EMBED_KEY)
-    from models.registry import family_of_export
-
     d = Path(export_dir)
     raw = json.loads((d / CONFIG_FILE).read_text())
-    cfg = Eagle3Config.from_hf_dict(raw, target_num_layers=target_num_layers)
-    if family_of_export(raw).method != "eagle3":
-        raise ValueError(f"{d / CONFIG_FILE}: architectures {raw.get('architectures')} is not an EAGLE-3 export")
+    cfg = Eagle3Config.from_hf_dict(raw, target_num_layers=target_num_layers)  # refuses another architecture
     tensors = normalize_keys(read_weights(d), cfg)
     drafter = Eagle3Drafter(cfg, attn_backend=attn_backend).to(dtype)
     stored_embed = tensors.pop(EMBED_KEY, None)

@@ -379,9 +379,9 @@ def _partial_rotary(config: dict) -> None:
 
 PREFLIGHT = [
     ("tap_out_of_range", None, {"capture.tap_layers": [1, 3, 8]},
-     ["capture.tap_layers=[1, 3, 8]", "aux_layer_ids [1, 3, 8] out of range for a 8-layer target",
+     ["capture.tap_layers=[1, 3, 8]", "tap_layers [1, 3, 8] out of range for a 8-layer target",
       "Training would refuse this prep"]),
-    ("duplicate_taps", None, {"capture.tap_layers": [1, 1, 4]}, ["duplicate aux_layer_ids [1, 1, 4]"]),
+    ("duplicate_taps", None, {"capture.tap_layers": [1, 1, 4]}, ["duplicate tap_layers [1, 1, 4]"]),
     ("partial_rotary", _partial_rotary, {}, ["(llama)", "partial_rotary_factor != 1 is not supported"]),
 ]
 

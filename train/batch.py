@@ -123,3 +123,13 @@ def collate(samples: Sequence[Any], max_len: int | None = None) -> Batch:
         sample_ids=[str(getattr(s, "sample_id", i)) for i, s in enumerate(samples)],
         **teachers,
     )
+
+
+def owned_span(batch: Batch) -> tuple[int, int]:
+    """(start, n): the batch's first n columns are the global positions start.. whose TTT steps it runs.
+
+    A plain Batch owns all its columns from position 0. A sequence-parallel slice
+    (train/sequence_parallel.SeqSlice) carries `start` and `owned`; its columns past `owned` are halo.
+    """
+    owned = getattr(batch, "owned", None)
+    return int(getattr(batch, "start", 0)), int(owned) if owned else int(batch.input_ids.shape[1])

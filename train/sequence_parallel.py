@@ -15,7 +15,7 @@ head-sharded (whole sequence), so the TTT attention and its TTTCache (step-0 key
 the diagonal keys of later steps) see every position of H/P heads; the output goes back. RoPE is applied
 before, at global positions (train/ttt.unroll passes start + t + k).
 
-The loss on a slice (train/ttt.py, `owned_span`): step k at local position t reads token x_{t0+t+k+1}
+The loss on a slice (train/batch.py, `owned_span`): step k at local position t reads token x_{t0+t+k+1}
 and predicts row j = t0 + t + k + 1, whose teacher sits at j and whose mask (valid, loss_mask) at j + 1,
 so a rank needs K + 1 columns past its slice: `split_batch` gives it that halo (ids, masks, teacher; no
 taps, only owned positions are drafter inputs). A (k, j) pair belongs to the rank owning t = j - k - 1,
@@ -36,8 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from models.attention import AttnCore
-from train.batch import PAD_ID, Batch
-from train.ttt import owned_span
+from train.batch import PAD_ID, Batch, owned_span
 
 if TYPE_CHECKING:
     from train.config import RunConfig

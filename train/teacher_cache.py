@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from train.batch import owned_span
 from train.loss import DraftLogits
 
 
@@ -62,7 +63,6 @@ def cached_draft_logits(cache: TeacherCache, head, batch, b_idx: Tensor, j_idx: 
     """The exact teacher of the batch's target rows (b_idx, j_idx; row-major, so each sample's rows are
     contiguous), computed per sample in chunks of `chunk_size` rows for the samples the cache lacks, then kept."""
     from train.loss import draft_logits
-    from train.ttt import owned_span
 
     start = owned_span(batch)[0]
     keys = [(sid, start) for sid in batch.sample_ids]

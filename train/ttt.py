@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from train.batch import PAD_ID, Batch
+from train.batch import PAD_ID, Batch, owned_span
 from train.config import TrainConfig
 from train.loss import (
     NO_ACCEPT,
@@ -89,16 +89,6 @@ def shifted_ids(input_ids: Tensor, shift: int) -> Tensor:
     if shift < input_ids.shape[1]:
         out[:, : input_ids.shape[1] - shift] = input_ids[:, shift:]
     return out
-
-
-def owned_span(batch: Batch) -> tuple[int, int]:
-    """(start, n): the batch's first n columns are the global positions start.. whose TTT steps it runs.
-
-    A plain Batch owns all its columns from position 0. A sequence-parallel slice
-    (train/sequence_parallel.SeqSlice) carries `start` and `owned`; its columns past `owned` are halo.
-    """
-    owned = getattr(batch, "owned", None)
-    return int(getattr(batch, "start", 0)), int(owned) if owned else int(batch.input_ids.shape[1])
 
 
 def target_rows(batch: Batch, steps: int) -> tuple[Tensor, Tensor, Tensor]:
