@@ -88,7 +88,7 @@ class Config:
     spec_new_tokens: int
     spec_pairs: tuple[str, ...]  # "random" and/or "permutation-<noise>"
     spec_settings: tuple[tuple[str, int, int, int], ...]  # (mode, depth, topk, total_tokens)
-    # train_step: geometries (bench/long_context.py GEOMETRIES) x lengths, TTT steps, loss chunk, repeats
+    # train_step: geometries (bench/train_step.py GEOMETRIES) x lengths, TTT steps, loss chunk, repeats
     train_geometries: tuple[str, ...]
     train_lengths: tuple[int, ...]
     train_ttt: int
@@ -605,7 +605,7 @@ def _compiled_graphs() -> int:
 
 
 def section_train_step(cfg: Config, rec: Recorder, deadline: float) -> None:
-    from bench.long_context import GEOMETRIES
+    from bench.train_step import GEOMETRIES
     from train.engine import init_distributed
 
     dev = cfg.device

@@ -10,17 +10,18 @@ step is the trainer's: the embedded target's EAGLE-3 drafter (hidden 576, vocab 
 chunks of 1024 rows, the layer checkpointed, the `fused` attention, fp32 as on CPU) wrapped by train/engine.py
 (real DeepSpeed, ZeRO-3), the loss counts all-reduced and the teacher targets kept as train/trainer.py does
 (train/ttt.py count_valid), backward and the optimizer step; one sequence of T tokens per rank, every token a
-loss target (synthetic ids and features, bench/long_context.py's `build`). Online: the real embedded target
+loss target (synthetic ids and features, bench/train_step.py's `build`). Online: the real embedded target
 (SmolLM2-135M-Instruct, fp32) replicated on each rank, its capture forward (data_prep/capture.py) giving the
 taps and the teacher before the step. A short first step (256 tokens) creates the Adam state, so the measured
-step sees the run's steady state. Workers run with MALLOC_MMAP_THRESHOLD_=65536 (bench/long_context.py says
+step sees the run's steady state. Workers run with MALLOC_MMAP_THRESHOLD_=65536 (bench/train_step.py says
 why: RSS then follows live tensors, not glibc's retention).
 
 The CPU runtime (Python, torch, DeepSpeed and transformers imported, the process group up, nothing built) is
 measured first, in a fresh process of its own, and is the plan's `runtime` row (train/plan.py CPU_RUNTIME_MB).
 The 40,960-token point is not rerun (one step takes about an hour here): the plan is compared with the
-measured peaks of bench/results/long_context_embedded.json (bench/long_context.py: bf16, a plain torch AdamW,
-no DeepSpeed, an untied random head, no kept teacher targets), that process's own runtime measured here too.
+measured peaks of bench/results/long_context_embedded.json (bench/train_step.py synthetic --engine torch: bf16,
+a plain torch AdamW, no DeepSpeed, an untied random head, no kept teacher targets), that process's own runtime
+measured here too.
 Writes bench/results/plan_check.json and .png.
 """
 
@@ -52,7 +53,7 @@ def _peak_rss_mb() -> float:
 # ------------------------------------------------------------------------------------------- workers
 def runtime_worker(kind: str) -> dict:
     """Peak RSS of a process before it builds anything: `train` (what a training process imports, the process
-    group up) or `bench` (what bench/long_context.py's worker imports)."""
+    group up) or `bench` (what bench/train_step.py's worker imports)."""
     import torch  # noqa: F401
 
     if kind == "train":
@@ -63,7 +64,7 @@ def runtime_worker(kind: str) -> dict:
 
         init_distributed("gloo")
     else:
-        import long_context  # noqa: F401
+        import train_step  # noqa: F401
 
         from models.attention import resolve_backend  # noqa: F401
         from train.ttt import TTTSettings, ttt_loss  # noqa: F401
@@ -71,8 +72,8 @@ def runtime_worker(kind: str) -> dict:
 
 
 def step_worker(tokens: int, source: str) -> dict:
-    import long_context
     import torch
+    import train_step
 
     from train.config import DeepSpeedConfig, TrainConfig
     from train.engine import Engine, init_distributed
@@ -81,10 +82,10 @@ def step_worker(tokens: int, source: str) -> dict:
     torch.set_num_threads(1)
     rank, world = init_distributed("gloo")
     runtime = _peak_rss_mb()
-    args = long_context.parse_args(["--geometry", "embedded", "--dtype", "float32", "--device", "cpu",
-                                    "--steps", str(K), "--chunk-size", str(CHUNK), "--checkpoint-layer"])
+    args = train_step.parse_args(["synthetic", "--geometry", "embedded", "--dtype", "fp32", "--device", "cpu",
+                                  "--ttt-steps", str(K), "--chunk-size", str(CHUNK), "--checkpoint-layer"])
     torch.manual_seed(rank)
-    drafter, head, batch, _ = long_context.build(args, tokens)
+    drafter, head, batch, _ = train_step.build(args, tokens)
     capture = None
     if source == "online":
         from data_prep.capture import HiddenStateCapture
@@ -149,7 +150,7 @@ def measure(tokens: int, ranks: int, source: str, timeout: float) -> dict:
 
 
 def predict(tokens: int, ranks: int, source: str, runtime_mb: float, *, bench: bool = False):
-    """The plan of a measured configuration (bench: bench/long_context.py's process instead of the trainer's)."""
+    """The plan of a measured configuration (bench: bench/train_step.py --engine torch's process, not the trainer's)."""
     from train.config import RunConfig
     from train.plan import components, describe_drafter, describe_target, settings_from_run
 
@@ -159,7 +160,7 @@ def predict(tokens: int, ranks: int, source: str, runtime_mb: float, *, bench: b
     cfg.model.draft_vocab_size = VD
     cfg.train.ttt_steps, cfg.train.chunk_size, cfg.train.checkpoint_layer = K, CHUNK, True
     cfg.deepspeed.zero_stage, cfg.deepspeed.precision = 3, "fp32"
-    # the workers' frozen head is bench/long_context.py's random one: untied (the trainer's SmolLM2 head is tied)
+    # the workers' frozen head is bench/train_step.py's random one: untied (the trainer's SmolLM2 head is tied)
     extra = {"runtime_mb": runtime_mb, "head_tied": False}
     if bench:  # bf16 module and a torch AdamW on it, no kept teacher targets, one step (no Adam state at its peak)
         cfg.deepspeed.precision = "bf16"

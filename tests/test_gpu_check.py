@@ -79,7 +79,7 @@ def test_a_section_over_budget_is_recorded_and_the_others_run(tmp_path: Path) ->
 def test_the_train_step_rows_carry_the_memory_plan_of_the_same_step(monkeypatch) -> None:
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import gpu_check
-    from long_context import GEOMETRIES
+    from train_step import GEOMETRIES
 
     cfg = gpu_check.make_config(dry_run=False)  # the GPU run's settings; the plan is arithmetic on configs
     small = gpu_check._plan_prediction("embedded", GEOMETRIES["embedded"], 2048, cfg)
