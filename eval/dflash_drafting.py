@@ -63,5 +63,7 @@ class DFlashDrafting:
         self.drafter.extend_context(self.cache, self._taps(taps), prefix_len)
 
     def describe(self) -> dict:
-        return {"method": "dflash", "mode": "chain", "block_size": self.drafter.block_size,
+        from models.registry import family_of_drafter
+
+        return {"method": family_of_drafter(self.drafter).method, "mode": "chain", "block_size": self.drafter.block_size,
                 "draft_tokens_per_step": self.depth}

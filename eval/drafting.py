@@ -228,8 +228,10 @@ class EagleDrafting:
         self.root_out = catch_up(self.drafter, self.cache, self._taps(taps), next_ids, prefix_len)
 
     def describe(self) -> dict:
+        from models.registry import family_of_drafter
+
         s = self.settings
-        out = {"method": "eagle", "mode": s.mode, "depth": s.depth}
+        out = {"method": family_of_drafter(self.drafter).method, "mode": s.mode, "depth": s.depth}
         if s.mode == "tree":
             out.update(topk=s.topk, total_tokens=s.total_tokens)
         return out

@@ -22,6 +22,7 @@ from eval.sampling import SamplingParams
 from eval.spec_decode import GenerationRecord, SpecSettings, SpeculativeDecoder, plain_generate
 from eval.target import TargetRunner
 from models.export import CONFIG_FILE
+from models.registry import DrafterFamily, family, family_of_drafter
 
 REPORT_FILE = "report.json"
 
@@ -170,8 +171,8 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
         bar.set_postfix(tau=f"{metrics.tau_pooled(spec_recs):.2f}")
 
     summary = metrics.summarize(spec_recs, decoder.depth)
-    t2d = getattr(drafter, "t2d", None)  # None: a drafter over the full vocabulary (DFlash)
-    summary["oov_rate"] = metrics.oov_rate(spec_recs, t2d) if t2d is not None else 0.0
+    # a drafter over the target's whole vocabulary (no draft vocabulary: models/registry.py) never misses a token
+    summary["oov_rate"] = metrics.oov_rate(spec_recs, drafter.t2d) if family_of_drafter(drafter).draft_vocab else 0.0
     spec_rate = _rate(spec_recs)
     base_rate = _rate(base_recs) if base_recs else float("nan")
     report = {
@@ -237,20 +238,27 @@ def write_report(report: dict, out_dir: Path, plots: bool = True) -> Path:
     return path
 
 
+def _drafting_family(report: dict) -> DrafterFamily | None:
+    """The family that drafted (the report's "drafting" entry; None in a report without one)."""
+    how = report.get("drafting") or {}
+    return family(how["method"]) if "method" in how else None
+
+
 def _drafting_label(report: dict) -> str:
-    d, how = report["decode"], report.get("drafting") or {}
-    if how.get("method") == "dflash":
-        return f"dflash block={how['block_size']} T={d['temperature']}"
-    return f"{d['mode']} depth={d['depth']} m={d['total_tokens']} T={d['temperature']}"
+    d, how, fam = report["decode"], report.get("drafting") or {}, _drafting_family(report)
+    if fam is not None and fam.block_drafting:
+        return f"{fam.label} block={how['block_size']} T={d['temperature']}"
+    name = f"{fam.label} " if fam is not None else ""
+    return f"{name}{d['mode']} depth={d['depth']} m={d['total_tokens']} T={d['temperature']}"
 
 
 def format_summary(report: dict) -> str:
     d = report["decode"]
     tps = report["tokens_per_s"]
-    how = report.get("drafting") or {}
-    if how.get("method") == "dflash":
+    how, fam = report.get("drafting") or {}, _drafting_family(report)
+    if fam is not None and fam.block_drafting:
         budget = f"block={how['block_size']}"
-        decode = (f"decode: dflash block_size={how['block_size']} ({how['draft_tokens_per_step']} drafts per "
+        decode = (f"decode: {fam.method} block_size={how['block_size']} ({how['draft_tokens_per_step']} drafts per "
                   f"verify; decode.depth/topk/total_tokens unused) T={d['temperature']} "
                   f"max_new_tokens={d['max_new_tokens']}")
     else:

@@ -1,5 +1,7 @@
 """Drafter families: the one table that names, per method, its model file, config, export layout, training
-objective and drafting strategy. Nothing else dispatches on the family.
+objective and drafting strategy, and what the family accepts (the run-config levers it takes, sequence
+parallelism, a reduced draft vocabulary, its own config sections, block drafting, its label). Validation
+(train/config.py), training, export and evaluation read these facts here; nothing else compares method names.
 
 SpecForge's registry idea: a new drafter is a new model file (config + module + save/load of its export),
 an objective and a drafting strategy, plus an entry here. Everything is named as "module:attribute" and
@@ -34,6 +36,15 @@ class DrafterFamily:
     frozen_keys: tuple[str, ...]
     objective: str  # "train.eagle3:Eagle3Objective": what the train loop asks of the method (train/objective.py)
     drafting: str  # "eval.drafting:EagleDrafting": how the decoder drafts with it (eval/drafting.py)
+    label: str  # its name in reports, plots and messages
+    # model.* levers of the run config it takes (train/config.py LEVERS); any other lever set is refused
+    levers: tuple[str, ...] = ()
+    sequence_parallel: bool = False  # deepspeed.sequence_parallel_size > 1 splits its attention (train/sequence_parallel.py)
+    draft_vocab: bool = False  # predicts over a reduced draft vocabulary (d2t / t2d), else the target's whole one
+    reads_tap_layers: bool = True  # model.tap_layers chooses the target layers it reads
+    attn_backend: bool = True  # model.attn_backend chooses its attention (models/attention.py)
+    options: str | None = None  # its own config sections, model.<options> and train.<options>
+    block_drafting: bool = False  # drafts a fixed block per verify: decode.depth / topk / total_tokens unused
 
     def _load(self, name: str) -> ModuleType:
         return importlib.import_module(name)
@@ -86,16 +97,23 @@ FAMILIES: dict[str, DrafterFamily] = {
         "eagle3", "models.eagle3", "Eagle3Config", "Eagle3Drafter",
         tuple(ARCHITECTURE_ALIASES), (EMBED_KEY,),
         "train.eagle3:Eagle3Objective", "eval.drafting:EagleDrafting",
+        label="EAGLE-3",
+        levers=("draft_vocab_size", "lm_head_init", "freeze_lm_head", "norm_init", "fc_norm", "norm_output"),
+        sequence_parallel=True, draft_vocab=True,
     ),
     "eagle1": DrafterFamily(
         "eagle1", "models.eagle1", "Eagle1Config", "Eagle1Drafter",
         ("LlamaForCausalLM", "EagleLlamaForCausalLM"), EMBED_AND_LM_HEAD,
         "train.eagle1:Eagle1Objective", "eval.drafting:EagleDrafting",
+        label="EAGLE-1", reads_tap_layers=False,  # the top-layer feature only
     ),
     "dflash": DrafterFamily(
         "dflash", "models.dflash", "DFlashConfig", "DFlashDrafter",
         ("DFlashDraftModel",), EMBED_AND_LM_HEAD,
         "train.dflash:DFlashObjective", "eval.dflash_drafting:DFlashDrafting",
+        label="DFlash", levers=("norm_init",),  # the same final norm before a target head as EAGLE-3's
+        attn_backend=False,  # SDPA with explicit block masks on every device
+        options="dflash", block_drafting=True,
     ),
 }
 METHODS = tuple(FAMILIES)

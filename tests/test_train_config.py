@@ -138,3 +138,42 @@ def test_lr_schedule_warmup_then_cosine() -> None:
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))  # monotone decay after warmup
     assert lr_lambda(total, warm, total, 0.1) == pytest.approx(0.1)  # floor = min_lr_ratio
     assert lrs[12] == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the cosine
+
+
+# A non-default setting of each lever (train/config.py LEVERS), to see which families take it.
+LEVER_SETTINGS = {"draft_vocab_size": ["model.draft_vocab_size=4096"], "lm_head_init": ["model.lm_head_init=target"],
+                  "freeze_lm_head": ["model.lm_head_init=target", "model.freeze_lm_head=true"],
+                  "norm_init": ["model.norm_init=zeros"], "fc_norm": ["model.fc_norm=true"],
+                  "norm_output": ["model.norm_output=true"]}
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle1", "dflash"])
+def test_the_family_table_decides_what_a_method_accepts(method: str) -> None:
+    """Validation reads the family's facts (models/registry.py): its levers and sequence parallelism."""
+    import warnings
+
+    from models.registry import family
+    from train.config import LEVERS
+
+    fam = family(method)
+    assert set(LEVER_SETTINGS) == set(LEVERS) and set(fam.levers) <= set(LEVERS)
+    assert fam.objective_cls.method == method  # the objective the table names is the family's own
+    for lever, settings in LEVER_SETTINGS.items():
+        cfg = _compose([f"model={method}", *settings])
+        if lever in fam.levers:
+            assert cfg.validate(world_size=2) is cfg
+        else:
+            with pytest.raises(ConfigError, match=rf"model\.{lever}\b.*not a lever of model.method={method}"):
+                cfg.validate(world_size=2)
+    cfg = _compose([f"model={method}", "deepspeed.sequence_parallel_size=2"])
+    if fam.sequence_parallel:
+        assert cfg.validate(world_size=2) is cfg
+    else:
+        with pytest.raises(ConfigError, match="sequence_parallel_size=2 needs a drafter"):
+            cfg.validate(world_size=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _compose([f"model={method}", "model.attn_backend=reference", "model.tap_layers=[1,2,3]"]).validate(world_size=1)
+    unused = " ".join(str(w.message) for w in caught if "not used by" in str(w.message))
+    assert ("model.attn_backend" in unused) is not fam.attn_backend
+    assert ("model.tap_layers" in unused) is not fam.reads_tap_layers

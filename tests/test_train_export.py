@@ -109,3 +109,22 @@ def test_the_export_records_its_target_and_a_re_export_against_another_is_refuse
         export_checkpoint(other_step, tmp_path / "out")
     assert "was trained for synthetic" in str(e.value) and "is now for org/other" in str(e.value), str(e.value)
     assert "differ in vocab_size" in str(e.value)
+
+
+def test_a_checkpoint_that_does_not_name_its_family_is_refused(run_dir, tmp_path: Path) -> None:
+    """No fallback family: a checkpoint whose state.json lacks `method` is not exported as some default."""
+    import shutil
+
+    from models.export import ExportError
+    from train.export import export_checkpoint
+
+    _, run = run_dir
+    step = tmp_path / "ckpt" / "step_000002"
+    shutil.copytree(run / "checkpoints" / "step_000002", step)
+    state = json.loads((step / "state.json").read_text())
+    (step / "state.json").write_text(json.dumps({k: v for k, v in state.items() if k != "method"}))
+    with pytest.raises(ExportError, match="does not record its drafter family"):
+        export_checkpoint(step, tmp_path / "out")
+    (step / "state.json").write_text(json.dumps({**state, "method": "medusa"}))
+    with pytest.raises(ValueError, match="unknown drafter method 'medusa'"):
+        export_checkpoint(step, tmp_path / "out")

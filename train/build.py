@@ -63,7 +63,7 @@ def load_head(prep_dir: Path) -> nn.Module:
 
 
 def drafter_from_state(
-    config: dict, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], method: str = "eagle3"
+    config: dict, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], method: str
 ) -> nn.Module:
     """A CPU drafter rebuilt from a checkpoint's drafter_config.json + tensors (the target's frozen tensors
     stay zero: they are not part of a checkpoint or an export)."""

@@ -44,7 +44,7 @@ class DFlashModelConfig:
 
 @dataclass
 class ModelConfig:
-    method: str = "eagle3"  # the drafter family: eagle3 | eagle1 | dflash (train/objective.py)
+    method: str = "eagle3"  # the drafter family: a name in models/registry.py FAMILIES (eagle3 | eagle1 | dflash)
     attn_backend: str = "auto"  # "auto" (best exact backend for the device) or a name in models.attention
     # Drafter geometry overrides; None = take the value from the target's config (the usual EAGLE-3 choice).
     # hidden_size is not overridable: the frozen target embedding and the taps fix it.
@@ -56,7 +56,8 @@ class ModelConfig:
     # max_position_embeddings written into the export; None = max(data.max_len, target's).
     max_position_embeddings: int | None = None
     dflash: DFlashModelConfig = field(default_factory=DFlashModelConfig)  # model.method=dflash only
-    # EAGLE-3 levers (presets in conf/lever/, compared by a multirun). draft_vocab_size: None = the prep's draft vocabulary;
+    # Levers (presets in conf/lever/, compared by a multirun); which family takes which: its `levers` in
+    # models/registry.py. draft_vocab_size: None = the prep's draft vocabulary;
     # else that many ids cut from the prep's own ranking (data_prep/vocab.py; <= 0: the whole vocabulary).
     draft_vocab_size: int | None = None
     lm_head_init: str = "random"  # random | target: the target LM head's rows at the draft ids
@@ -72,9 +73,9 @@ class ModelConfig:
     tap_layers: list[int] | None = None
 
 
-EAGLE3_LEVERS = {k: getattr(ModelConfig, k) for k in
-                 ("draft_vocab_size", "lm_head_init", "freeze_lm_head", "norm_init", "fc_norm", "norm_output")}
-DFLASH_LEVERS = ("norm_init",)  # the EAGLE-3 levers that DFlash (same final norm before a target head) takes too
+# Every model.* lever and its default; a family takes those its `levers` name (models/registry.py).
+LEVERS = {k: getattr(ModelConfig, k) for k in
+          ("draft_vocab_size", "lm_head_init", "freeze_lm_head", "norm_init", "fc_norm", "norm_output")}
 
 
 @dataclass
@@ -247,9 +248,10 @@ class RunConfig:
         """Raise ConfigError for values that would fail (or silently misbehave) later. Returns self."""
         m, d, t, ds, lg = self.model, self.data, self.train, self.deepspeed, self.logger
         from models.attention import ATTENTION  # the registry decides which backend names exist
-        from models.registry import METHODS
+        from models.registry import METHODS, family
 
         _one_of("model.method", m.method, METHODS)
+        fam = family(m.method)
         _one_of("model.attn_backend", m.attn_backend, ("auto", *sorted(ATTENTION)))
         _one_of("model.lm_head_init", m.lm_head_init, ("random", "target"))
         _one_of("model.norm_init", m.norm_init, ("ones", "target", "zeros"))
@@ -269,12 +271,11 @@ class RunConfig:
             raise ConfigError(f"train.teacher_epoch_cache_mb must be >= 0, got {t.teacher_epoch_cache_mb}")
         if t.accept_loss_weight < 0:
             raise ConfigError(f"train.accept_loss_weight must be >= 0, got {t.accept_loss_weight}")
-        if m.method != "eagle3":
-            also = DFLASH_LEVERS if m.method == "dflash" else ()
-            changed = [k for k, default in EAGLE3_LEVERS.items() if getattr(m, k) != default and k not in also]
-            if changed:
-                raise ConfigError(f"model.{', model.'.join(changed)}: EAGLE-3 options, not for model.method="
-                                  f"{m.method}")
+        changed = [k for k, default in LEVERS.items() if getattr(m, k) != default and k not in fam.levers]
+        if changed:
+            takes = f"model.{', model.'.join(fam.levers)}" if fam.levers else "none"
+            raise ConfigError(f"model.{', model.'.join(changed)}: not a lever of model.method={m.method} "
+                              f"({fam.label} takes: {takes})")
         _one_of("deepspeed.precision", ds.precision, PRECISIONS)
         _one_of("deepspeed.dist_backend", ds.dist_backend, DIST_BACKENDS)
         _one_of("deepspeed.zero_stage", ds.zero_stage, (0, 1, 2, 3))
@@ -396,9 +397,12 @@ class RunConfig:
                 warnings.warn(f"data.split_overlap={d.split_overlap} < train.ttt_steps + 1: the first TTT steps "
                               "of targets at the start of each later window are never trained", stacklevel=3)
         if sp > 1:
-            if m.method != "eagle3":
-                raise ConfigError(f"deepspeed.sequence_parallel_size={sp} needs model.method=eagle3 (the drafter "
-                                  f"whose attention it parallelises), got {m.method!r}")
+            from models.registry import FAMILIES, family
+
+            if not family(m.method).sequence_parallel:
+                able = [name for name, f in FAMILIES.items() if f.sequence_parallel]
+                raise ConfigError(f"deepspeed.sequence_parallel_size={sp} needs a drafter whose attention it "
+                                  f"parallelises (model.method={' | '.join(able)}), got {m.method!r}")
             for key, heads in [("model.num_attention_heads", m.num_attention_heads),
                                ("model.num_key_value_heads", m.num_key_value_heads)]:
                 if heads is not None and heads % sp:  # None: the target's, checked when the drafter is built
@@ -421,18 +425,20 @@ class RunConfig:
             raise ConfigError(f"train.dflash.anchors must be >= 1, got {t.dflash.anchors}")
         if not t.dflash.gamma > 0:
             raise ConfigError(f"train.dflash.gamma must be > 0, got {t.dflash.gamma}")
-        if m.method != "dflash":
-            default = DFlashModelConfig()
-            unused = [f"model.dflash.{f.name}" for f in fields(dm)
-                      if getattr(dm, f.name) != getattr(default, f.name)]
-            if m.method == "eagle1" and m.tap_layers is not None:
-                unused.append("model.tap_layers")
-            if unused:
-                warnings.warn(f"{', '.join(unused)}: not used by model.method={m.method} (ignored)",
-                              stacklevel=3)
-        elif m.attn_backend != "auto":
-            warnings.warn("model.attn_backend has no effect with model.method=dflash (SDPA with explicit "
-                          "block masks on every device)", stacklevel=3)
+        from models.registry import FAMILIES, family
+
+        fam = family(m.method)
+        unused = []
+        for section in sorted({f.options for f in FAMILIES.values() if f.options} - {fam.options}):
+            mine, default = getattr(m, section), type(getattr(m, section))()  # another family's model.<section>
+            unused += [f"model.{section}.{f.name}" for f in fields(mine)
+                       if getattr(mine, f.name) != getattr(default, f.name)]
+        if not fam.reads_tap_layers and m.tap_layers is not None:
+            unused.append("model.tap_layers")
+        if not fam.attn_backend and m.attn_backend != "auto":
+            unused.append("model.attn_backend")
+        if unused:
+            warnings.warn(f"{', '.join(unused)}: not used by model.method={m.method} (ignored)", stacklevel=3)
 
 
 def _one_of(key: str, value: Any, allowed: tuple) -> None:

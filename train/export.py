@@ -23,20 +23,23 @@ def export_drafter(
     buffers: dict[str, Tensor],
     out: str | Path,
     max_position_embeddings: int | None = None,
-    method: str = "eagle3",
+    *,
+    method: str,
     target: dict | None = None,
 ) -> Path:
-    """target: the prep's target record (`prep_target`); the export's config.json keeps it with the tap layers."""
+    """method: the drafter family (models/registry.py); target: the prep's target record (`prep_target`), which
+    the export's config.json keeps with the tap layers."""
     from models.export import ExportError, check_target, stamp_target, target_fingerprint
     from models.registry import family
 
     if max_position_embeddings is not None:
         config = {**config, "max_position_embeddings": max_position_embeddings}
+    fam = family(method)
     drafter = drafter_from_state(config, params, buffers, method)
-    if hasattr(drafter, "set_vocab_mapping"):
+    if fam.draft_vocab:
         drafter.set_vocab_mapping(drafter.d2t.clone(), drafter.t2d.clone())  # refuse an inconsistent mapping
     if target is None:
-        return family(method).save_export(drafter, out)
+        return fam.save_export(drafter, out)
     hidden = config.get("target_hidden_size") or config.get("hidden_size")  # EAGLE-1, DFlash: the target's width
     differ = [f"{k} {mine} (the target's: {target[k]})" for k, mine in (("vocab_size", config.get("vocab_size")),
               ("hidden_size", hidden)) if None not in (mine, target.get(k)) and mine != target[k]]
@@ -44,7 +47,7 @@ def export_drafter(
         raise ExportError(f"the drafter of {out} was not trained for {target.get('id')}: {', '.join(differ)}")
     record = target_fingerprint(target, target.get("tokenizer_hash"), drafter.tap_layers)
     check_target(record, record, f"the drafter of {out}", "its target")  # its tap layers exist in that target
-    out = family(method).save_export(drafter, out)
+    out = fam.save_export(drafter, out)
     stamp_target(out, record)
     return out
 
@@ -65,10 +68,15 @@ def prep_target(prep_dir: str | Path | None) -> dict | None:
 def export_checkpoint(path: str | Path, out: str | Path, max_position_embeddings: int | None = None) -> Path:
     """Export the checkpoint at `path` (a step dir, a `latest` file, or a run / checkpoints dir -> what its `latest`
     names). The optimizer state and RNG files are not read: a checkpoint stripped to its weights exports too."""
+    from models.export import ExportError
+
     ckpt = checkpoint.load(Path(path), optimizer=False)
-    method = ckpt.state.get("method", "eagle3")
-    return export_drafter(ckpt.drafter_config, ckpt.params, ckpt.buffers, out, max_position_embeddings, method,
-                          checkpoint_target(ckpt))
+    method = ckpt.state.get("method")
+    if method is None:
+        raise ExportError(f"{ckpt.path} does not record its drafter family (no 'method' in its state.json): "
+                          "it cannot be exported")
+    return export_drafter(ckpt.drafter_config, ckpt.params, ckpt.buffers, out, max_position_embeddings,
+                          method=method, target=checkpoint_target(ckpt))
 
 
 def checkpoint_target(ckpt: checkpoint.Checkpoint) -> dict | None:
