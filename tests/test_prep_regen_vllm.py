@@ -1,7 +1,7 @@
 """Opt-in: the `openai` regeneration backend against a REAL vLLM server serving the embedded target,
 next to the `hf` backend on the same conversations (`make regen-check`).
 
-    DRAFTERS_VLLM_PYTHON=/work/vllm-venv/bin/python pytest -s tests/test_prep_regen_vllm.py
+    DRAFTERS_VLLM_PYTHON=.venv-vllm/bin/python pytest -s tests/test_prep_regen_vllm.py
 
 Skipped unless DRAFTERS_VLLM_PYTHON names the python of a vLLM install (its own venv: vLLM pins its own
 torch). The server (eval.engine_check.vllm_server) takes ~35-60 s to start on CPU. Both backends run
