@@ -30,23 +30,47 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 
 @dataclass
 class TargetPreset:
+    """A target: what its config.json cannot give (hub id, chat format, dtype, loading options, measured
+    defaults) plus the geometry offline use needs (planning, the checks before any download), which
+    `check_preset` compares with config.json wherever that is at hand."""
+
     name: str
     hf_id: str
     num_layers: int
     hidden_size: int
     vocab_size: int
-    tap_layers: list[int]
+    tap_layers: list[int] | None = None  # None: EAGLE-3's [1, L//2 - 1, L - 4] (`default_tap_layers`)
     chat_format: str = "auto"
     embedded: str | None = None  # "<python package>:<gguf file>"
     revision: str = "main"
     dtype: str = "bfloat16"
     enable_thinking: bool | None = None
-    moe: bool = False
     device_map: str | None = None
     attn_implementation: str | None = None
-    # Vd when prep's draft_vocab_size is not given; a preset sets its own where measured (bench/draft_vocab_size.py)
+    # Vd when prep's draft_vocab_size is not given; a preset sets its own where measured (docs/results.md)
     draft_vocab_size: int = 32000
     local_path: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.tap_layers is None:
+            self.tap_layers = default_tap_layers(self.num_layers)
+
+
+GEOMETRY = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "vocab_size": "vocab_size"}
+
+
+def check_preset(preset: TargetPreset, config: dict, where: str) -> None:
+    """ConfigError (a user error) where the preset's geometry (`GEOMETRY`: preset key -> config.json key) differs from the
+    target's config.json (`where` names it): a preset that drifted from its model would plan and check the
+    wrong target."""
+    text = config.get("text_config", config) if "hidden_size" not in config else config
+    differ = [f"{key} {getattr(preset, key)} (config.json's {hf}: {text[hf]})" for key, hf in GEOMETRY.items()
+              if text.get(hf) is not None and int(text[hf]) != getattr(preset, key)]
+    if differ:
+        from data_prep.config import ConfigError
+
+        raise ConfigError(f"target preset {preset.name!r} (conf/targets/{preset.name}.yaml) differs from {where}: "
+                         f"{', '.join(differ)}")
 
 
 def default_tap_layers(num_layers: int) -> list[int]:
@@ -227,7 +251,9 @@ def load_target_config(preset: TargetPreset) -> dict:
     from transformers import AutoConfig
 
     with _named_load_errors(preset):
-        return AutoConfig.from_pretrained(model_path(preset), revision=_revision(preset)).to_dict()
+        config = AutoConfig.from_pretrained(model_path(preset), revision=_revision(preset)).to_dict()
+    check_preset(preset, config, f"{model_path(preset)}/config.json")
+    return config
 
 
 def _revision(preset: TargetPreset) -> str | None:
@@ -275,6 +301,7 @@ def load_target(preset: TargetPreset, dtype: str | None = None, device: str | No
     tensor-parallel plan over groups of that many consecutive ranks (torch.distributed initialised; each rank
     reads only its slices of the checkpoint; see `_load_tensor_parallel`)."""
     tokenizer = load_tokenizer(preset, chat_template)
+    load_target_config(preset)  # the preset's geometry checked against its config.json before the weights load
     with _named_load_errors(preset):
         if tensor_parallel > 1:
             return _load_tensor_parallel(preset, dtype, tensor_parallel), tokenizer

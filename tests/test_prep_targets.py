@@ -23,7 +23,28 @@ def test_presets(name: str) -> None:
     p = resolve_target(name)
     assert (p.hf_id, p.num_layers, p.hidden_size, p.vocab_size, p.chat_format) == EXPECTED[name]
     assert p.tap_layers == default_tap_layers(p.num_layers)  # [1, L//2 - 1, L - 4]
-    assert p.moe == (name in ("qwen3-30b-a3b", "gpt-oss-20b", "gpt-oss-120b"))
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_presets_hold_what_config_json_cannot_give(name: str) -> None:
+    """A preset repeats nothing config.json gives beyond the geometry offline use needs, nor a default of its
+    own schema (EAGLE-3's taps of that many layers), and that geometry matches the public config.json."""
+    import dataclasses
+
+    import yaml
+
+    from data_prep.targets import GEOMETRY, TargetPreset, check_preset
+    from train.plan import KNOWN_CONFIGS
+
+    raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "conf" / "targets" / f"{name}.yaml").read_text())
+    assert "tap_layers" not in raw or raw["tap_layers"] != default_tap_layers(raw["num_layers"])
+    defaults = {f.name: f.default for f in dataclasses.fields(TargetPreset)}
+    assert not [k for k, v in raw.items() if k in defaults and v == defaults[k]], "repeats a default"
+    public = KNOWN_CONFIGS[raw["hf_id"]]
+    check_preset(resolve_target(name), public, "its public config")
+    wrong = {**public, GEOMETRY["num_layers"]: raw["num_layers"] + 1}
+    with pytest.raises(ValueError, match=rf"num_layers {raw['num_layers']} \(config.json's num_hidden_layers"):
+        check_preset(resolve_target(name), wrong, "its config")
 
 
 def test_gpt_oss_120b_taps_and_every_preset_listed() -> None:

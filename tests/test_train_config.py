@@ -77,6 +77,30 @@ def test_group_options_hold_choices_not_defaults(option: str) -> None:
     assert not repeated, f"conf/{option}.yaml repeats defaults: {', '.join(f'{group}.{k}' for k in repeated)}"
 
 
+def _repeats(values: dict, base: dict, prefix: str = "") -> list[str]:
+    """The keys of `values` (nested) that only restate `base`'s value."""
+    out = []
+    for k, v in values.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            out += _repeats(v, base[k], f"{prefix}{k}.")
+        elif k in base and v == base[k]:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+@pytest.mark.parametrize("preset", sorted(f"{p.parent.name}/{p.stem}" for d in ("exp", "lever")
+                                          for p in (CONF / d).glob("*.yaml")))
+def test_exp_and_lever_presets_hold_changes_not_defaults(preset: str) -> None:
+    """Defaults live once: an experiment or lever preset restates no value it would have without it (the
+    schema's default, or the value of the experiment it builds on)."""
+    values = OmegaConf.to_container(OmegaConf.load(CONF / f"{preset}.yaml")) or {}
+    parents = [d for d in values.pop("defaults", []) if isinstance(d, str) and d != "_self_"]
+    assert len(parents) <= 1
+    base = _compose([f"+exp={p}" for p in parents])
+    repeated = _repeats(values, OmegaConf.to_container(OmegaConf.structured(base)))
+    assert not repeated, f"conf/{preset}.yaml repeats values it would have anyway: {', '.join(repeated)}"
+
+
 @pytest.mark.parametrize("group, key, value", [("deepspeed=zero2", "deepspeed.zero_stage", 2),
                                                ("deepspeed=zero0", "deepspeed.zero_stage", 0),
                                                ("logger=jsonl", "logger.wandb_mode", "disabled")])

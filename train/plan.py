@@ -100,41 +100,48 @@ def _hf_config_object(config: dict):
 
 def target_config(ref: str) -> tuple[dict, str, Any]:
     """(HF config dict, where it came from, the TargetPreset) of a preset name, a local directory or a hub id,
-    without weights and, for a preset, without the network."""
-    from data_prep.targets import PRESET_DIR, cache_dir, list_presets, resolve_target
+    without weights and, for a preset, without the network; a preset's geometry checked against that config."""
+    from data_prep.targets import PRESET_DIR, check_preset, resolve_target
 
     try:
         preset = resolve_target(ref)
     except (ValueError, FileNotFoundError) as e:
         raise PlanError(f"target {ref!r}: {e}") from None
+    config, source = _find_config(ref, preset)
+    if (PRESET_DIR / f"{ref}.yaml").exists():
+        try:
+            check_preset(preset, config, source)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+    return config, source, preset
+
+
+def _find_config(ref: str, preset: Any) -> tuple[dict, str]:
+    from data_prep.targets import PRESET_DIR, cache_dir, list_presets
+
     if preset.local_path:
-        return json.loads((Path(preset.local_path) / "config.json").read_text()), f"{preset.local_path}/config.json", preset
+        return json.loads((Path(preset.local_path) / "config.json").read_text()), f"{preset.local_path}/config.json"
     if not (PRESET_DIR / f"{ref}.yaml").exists():  # a hub id resolve_target read the config of
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(ref).to_dict(), f"hub {ref}", preset
+        return AutoConfig.from_pretrained(ref).to_dict(), f"hub {ref}"
     candidates = [cache_dir() / preset.name / "config.json"] if preset.embedded else []
     for path in candidates:
         if path.exists():
-            return json.loads(path.read_text()), str(path), preset
+            return json.loads(path.read_text()), str(path)
     try:
         from transformers import AutoConfig
 
         return (AutoConfig.from_pretrained(preset.hf_id, revision=preset.revision, local_files_only=True).to_dict(),
-                f"local hub cache {preset.hf_id}", preset)
+                f"local hub cache {preset.hf_id}")
     except (OSError, ValueError):
         pass
     if preset.hf_id not in KNOWN_CONFIGS:
         raise PlanError(f"target {ref!r} (conf/targets/{ref}.yaml, {preset.hf_id}): its config.json is not on this "
                         f"machine and not among the known public configs; pass model=<a directory with its "
                         f"config.json> (presets: {', '.join(list_presets())})")
-    config = _hf_config_object(KNOWN_CONFIGS[preset.hf_id]).to_dict()
-    got = (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"])
-    want = (preset.num_layers, preset.hidden_size, preset.vocab_size)
-    if got != want:
-        raise PlanError(f"conf/targets/{ref}.yaml: layers/hidden/vocab {want} differ from {preset.hf_id}'s public "
-                        f"config {got}")
-    return config, f"public config of {preset.hf_id} (train/plan.py KNOWN_CONFIGS)", preset
+    return (_hf_config_object(KNOWN_CONFIGS[preset.hf_id]).to_dict(),
+            f"public config of {preset.hf_id} (train/plan.py KNOWN_CONFIGS)")
 
 
 def describe_target(ref: str) -> TargetInfo:
