@@ -59,17 +59,19 @@ class TargetPreset:
 GEOMETRY = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "vocab_size": "vocab_size"}
 
 
+class PresetMismatch(ValueError):
+    """A target preset whose geometry is not its model's (a user error: launch/errors.py)."""
+
+
 def check_preset(preset: TargetPreset, config: dict, where: str) -> None:
-    """ConfigError (a user error) where the preset's geometry (`GEOMETRY`: preset key -> config.json key) differs from the
+    """PresetMismatch where the preset's geometry (`GEOMETRY`: preset key -> config.json key) differs from the
     target's config.json (`where` names it): a preset that drifted from its model would plan and check the
     wrong target."""
     text = config.get("text_config", config) if "hidden_size" not in config else config
     differ = [f"{key} {getattr(preset, key)} (config.json's {hf}: {text[hf]})" for key, hf in GEOMETRY.items()
               if text.get(hf) is not None and int(text[hf]) != getattr(preset, key)]
     if differ:
-        from data_prep.config import ConfigError
-
-        raise ConfigError(f"target preset {preset.name!r} (conf/targets/{preset.name}.yaml) differs from {where}: "
+        raise PresetMismatch(f"target preset {preset.name!r} (conf/targets/{preset.name}.yaml) differs from {where}: "
                          f"{', '.join(differ)}")
 
 

@@ -33,6 +33,7 @@ USER_ERRORS = (
     "data_prep.config:ConfigError",  # train.config raises the same class
     "data_prep.targets:TargetUnavailable",
     "data_prep.targets:UnknownTarget",
+    "data_prep.targets:PresetMismatch",  # a preset's geometry is not its config.json's
     "data_prep.shards:ShardError",
     "data_prep.dirlock:DirLocked",  # another process holds the run or prep directory
     "data_prep.fidelity:FidelityError",
