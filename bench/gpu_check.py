@@ -346,7 +346,7 @@ def _synthetic_batch(drafter, seq_len: int, seed: int, device: str = "cpu"):
     from train.batch import Batch
 
     g = torch.Generator(device=device).manual_seed(seed)
-    V, H, n_taps = drafter.cfg.vocab_size, drafter.cfg.hidden_size, len(drafter.cfg.aux_layer_ids)
+    V, H, n_taps = drafter.cfg.vocab_size, drafter.cfg.hidden_size, len(drafter.cfg.tap_layers)
     return Batch(
         input_ids=torch.randint(1, V, (1, seq_len), generator=g, device=device),
         loss_mask=torch.ones(1, seq_len, dtype=torch.bool, device=device),
@@ -514,7 +514,7 @@ def section_spec_decode(cfg: Config, rec: Recorder, deadline: float) -> None:
             try:
                 target, drafter = make_pair(pair_name)
                 target, drafter = target.to(cfg.device, dtype), drafter.to(cfg.device, dtype)
-                runner = TargetRunner(target, drafter.cfg.aux_layer_ids)
+                runner = TargetRunner(target, drafter.cfg.tap_layers)
                 rec.check(f"on_{cfg.device}", runner.device.type == cfg.device, value=str(runner.device))
                 plains = [plain_generate(runner, p, cfg.spec_new_tokens, greedy).output_ids for p in SPEC_PROMPTS]
             except Exception as e:  # plain decoding itself failed: recorded, the other pairs still run

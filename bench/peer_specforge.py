@@ -130,11 +130,11 @@ def check_supported(cfg: RunConfig) -> None:
 def tap_choice(cfg: RunConfig, prep: Path, shard_taps: list[int]) -> tuple[list[int], list[int]]:
     """(tap layers the drafter reads, their columns among the shards' taps): Eagle3Objective's rule."""
     from models.config import target_geometry
-    from models.eagle3 import default_aux_layer_ids
+    from models.eagle3 import default_tap_layers
     from train.batch import tap_columns
     from train.build import target_config
 
-    default = default_aux_layer_ids(target_geometry(target_config(prep))["num_target_layers"])
+    default = default_tap_layers(target_geometry(target_config(prep))["target_num_layers"])
     wanted = list(cfg.model.tap_layers or (default if set(default) <= set(shard_taps) else shard_taps))
     if len(wanted) != 3:
         raise SystemExit(f"peer_specforge: SpecForge's fc takes exactly 3 taps, the recipe reads {wanted}")

@@ -135,7 +135,7 @@ def build(args: argparse.Namespace, seq_len: int, cast_drafter: bool = True):
         input_ids=torch.randint(1, V, (1, seq_len)),
         loss_mask=torch.rand(1, seq_len) < args.loss_frac,
         valid=torch.ones(1, seq_len, dtype=torch.bool),
-        taps=torch.randn(1, seq_len, len(cfg.aux_layer_ids) * H),
+        taps=torch.randn(1, seq_len, len(cfg.tap_layers) * H),
         teacher_hidden=torch.randn(1, seq_len, H) * 4,
         sample_ids=["synthetic"],
     ).to(device, dtype)

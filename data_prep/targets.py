@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from models.eagle3 import default_aux_layer_ids
+from models import eagle3
 
 PRESET_DIR = Path(__file__).resolve().parents[1] / "conf" / "targets"
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -76,10 +76,10 @@ def check_preset(preset: TargetPreset, config: dict, where: str) -> None:
 
 
 def default_tap_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's taps (models.eagle3.default_aux_layer_ids, docs/method.md §4.1); none for a target under 5
+    """EAGLE-3's taps (models.eagle3.default_tap_layers, docs/method.md §4.1); none for a target under 5
     layers, too shallow for them: its prep names capture.tap_layers (the pre-flight check asks for them)."""
     try:
-        return default_aux_layer_ids(num_layers)
+        return eagle3.default_tap_layers(num_layers)
     except ValueError:
         return []
 

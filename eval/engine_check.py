@@ -162,7 +162,7 @@ def check_export(drafter: str, preset, tokenizer) -> None:
         check_target(raw.get(TARGET_KEY), actual, f"drafter {drafter}", f"target {preset.name}")
         # the layer ids vLLM will tap: in range for this target, and the ones the drafter was trained on
         cfg = Eagle3Config.from_hf_dict(raw, target_num_layers=actual["num_layers"])
-        check_tap_layers(raw.get(TARGET_KEY), cfg.aux_layer_ids, f"drafter {drafter}")
+        check_tap_layers(raw.get(TARGET_KEY), cfg.tap_layers, f"drafter {drafter}")
     except (ExportError, ValueError) as e:  # ValueError: a config.json vLLM's EAGLE-3 loader cannot take either
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None  # the user-error status of every launcher (launch/errors.py)

@@ -113,7 +113,7 @@ def target_geometry(hf_config: dict[str, Any]) -> dict[str, Any]:
         "head_dim": hf.get("head_dim") or None,
         "intermediate_size": int(hf["intermediate_size"]),
         "vocab_size": int(hf["vocab_size"]),
-        "num_target_layers": int(hf["num_hidden_layers"]),
+        "target_num_layers": int(hf["num_hidden_layers"]),
         "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "rope_theta": theta,
         "rope_scaling": scaling,
@@ -170,4 +170,4 @@ def check_target(hf_config: dict[str, Any], tap_layers: list[int]) -> None:
     geometry = target_geometry(hf_config)
     head_dim = geometry["head_dim"] or geometry["hidden_size"] // geometry["num_attention_heads"]
     check_geometry(SimpleNamespace(**{**geometry, "head_dim": head_dim}), "target")
-    check_layer_ids(list(tap_layers), geometry["num_target_layers"], "target", "tap_layers")
+    check_layer_ids(list(tap_layers), geometry["target_num_layers"], "target", "tap_layers")

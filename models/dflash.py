@@ -54,7 +54,7 @@ from models.layers import MLP, RMSNorm
 from models.rope import RotaryEmbedding, apply_rope
 from models.target_head import EMBED_AND_LM_HEAD, EMBED_KEY, LM_HEAD_KEY
 
-__all__ = ["DFlashCache", "DFlashConfig", "DFlashDrafter", "default_target_layer_ids", "load_export", "save_export"]
+__all__ = ["DFlashCache", "DFlashConfig", "DFlashDrafter", "default_tap_layers", "load_export", "save_export"]
 
 ARCHITECTURE = "DFlashDraftModel"
 # dflash_config switches of other DFlash variants (SGLang's parser knows them); only their absence is implemented.
@@ -71,15 +71,15 @@ DEFAULT_NUM_LAYERS = 5
 DEFAULT_BLOCK_SIZE = 16
 
 
-def default_target_layer_ids(num_target_layers: int, n_taps: int = DEFAULT_NUM_LAYERS) -> list[int]:
+def default_tap_layers(target_num_layers: int, n_taps: int = DEFAULT_NUM_LAYERS) -> list[int]:
     """`n_taps` target layers evenly spaced between layer 1 and L - 3 (0-based, output after the layer),
     rounded as z-lab's and SGLang's build_target_layer_ids round (Python's round: ties to even), so the
     engines derive the same ids when an export omits them. One tap: the middle layer."""
     if n_taps == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
+        return [target_num_layers // 2]
+    start, end = 1, target_num_layers - 3
     if end < start:
-        raise ValueError(f"DFlash taps need a target with >= 4 layers, got {num_target_layers}")
+        raise ValueError(f"DFlash taps need a target with >= 4 layers, got {target_num_layers}")
     return [int(round(start + i * (end - start) / (n_taps - 1))) for i in range(n_taps)]
 
 
@@ -90,12 +90,12 @@ class DFlashConfig:
     num_key_value_heads: int
     intermediate_size: int
     vocab_size: int  # the target's V: the drafter predicts over the full vocabulary
-    target_layer_ids: list[int]  # 0-based target layers tapped, in concat order (fc input = n * hidden_size)
+    tap_layers: list[int]  # 0-based target layers tapped, in concat order (fc input = n * hidden_size)
     mask_token_id: int  # a reserved target token id filling the B - 1 positions to predict
     num_hidden_layers: int = DEFAULT_NUM_LAYERS
     block_size: int = DEFAULT_BLOCK_SIZE  # B: [last accepted token, MASK x (B - 1)]
     head_dim: int | None = None  # None -> hidden_size // num_attention_heads
-    num_target_layers: int | None = None  # the target's L (engines derive default taps from it)
+    target_num_layers: int | None = None  # the target's L (engines derive default taps from it)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # None = plain RoPE; else has "rope_type"
@@ -106,7 +106,7 @@ class DFlashConfig:
     def __post_init__(self) -> None:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.tap_layers = [int(i) for i in self.tap_layers]
 
     def validate(self) -> DFlashConfig:
         def need(ok: bool, msg: str) -> None:
@@ -117,29 +117,29 @@ class DFlashConfig:
         need(self.block_size >= 2, f"block_size must be >= 2 (one known token + predictions), got {self.block_size}")
         need(0 <= self.mask_token_id < self.vocab_size,
              f"mask_token_id {self.mask_token_id} is not a target token id (vocab_size {self.vocab_size})")
-        check_layer_ids(self.target_layer_ids, self.num_target_layers, "DFlashConfig", "target_layer_ids")
+        check_layer_ids(self.tap_layers, self.target_num_layers, "DFlashConfig", "tap_layers")
         return self
 
     @classmethod
     def from_target_config(
-        cls, hf_config: dict[str, Any], mask_token_id: int, target_layer_ids: Sequence[int] | None = None,
+        cls, hf_config: dict[str, Any], mask_token_id: int, tap_layers: Sequence[int] | None = None,
         num_hidden_layers: int = DEFAULT_NUM_LAYERS, block_size: int = DEFAULT_BLOCK_SIZE, **overrides: Any,
     ) -> DFlashConfig:
-        """Geometry = the target's (layers as wide as its own); taps default to `default_target_layer_ids`
+        """Geometry = the target's (layers as wide as its own); taps default to `default_tap_layers`
         with one tap per drafter layer, as the public drafters have; `overrides` replace any field."""
         geo = target_geometry(hf_config)
-        ids = list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(
-            geo["num_target_layers"], num_hidden_layers)
+        ids = list(tap_layers) if tap_layers is not None else default_tap_layers(
+            geo["target_num_layers"], num_hidden_layers)
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise TypeError(f"unknown DFlashConfig overrides: {sorted(unknown)}")
-        cfg = cls(**geo, target_layer_ids=ids, mask_token_id=mask_token_id, num_hidden_layers=num_hidden_layers,
+        cfg = cls(**geo, tap_layers=ids, mask_token_id=mask_token_id, num_hidden_layers=num_hidden_layers,
                   block_size=block_size)
         return dataclasses.replace(cfg, **overrides).validate()
 
     # ------------------------------------------------------------------ engine config.json
     def to_hf_dict(self) -> dict[str, Any]:
-        dflash = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
+        dflash = {"target_layer_ids": list(self.tap_layers), "mask_token_id": self.mask_token_id,
                   "block_size": self.block_size}
         return {
             "architectures": [ARCHITECTURE],
@@ -157,7 +157,7 @@ class DFlashConfig:
             "is_causal": False,
             # Top level as well as in dflash_config: the first public checkpoints keep block_size here.
             "block_size": self.block_size,
-            "num_target_layers": self.num_target_layers,
+            "num_target_layers": self.target_num_layers,
             "dflash_config": dflash,
             "torch_dtype": self.torch_dtype,
         }
@@ -179,7 +179,7 @@ class DFlashConfig:
             if num_target is None:
                 raise ValueError("config.json has no dflash_config.target_layer_ids nor num_target_layers: pass "
                                  "target_num_layers (the target's decoder layer count)")
-            ids = default_target_layer_ids(int(num_target), layers)
+            ids = default_tap_layers(int(num_target), layers)
         mask = dflash.get("mask_token_id", d.get("mask_token_id"))
         if mask is None:
             raise ValueError("config.json has no dflash_config.mask_token_id (a token-string mask is not supported)")
@@ -190,12 +190,12 @@ class DFlashConfig:
             num_key_value_heads=int(d.get("num_key_value_heads") or d["num_attention_heads"]),
             intermediate_size=int(d["intermediate_size"]),
             vocab_size=int(d["vocab_size"]),
-            target_layer_ids=[int(i) for i in ids],
+            tap_layers=[int(i) for i in ids],
             mask_token_id=int(mask),
             num_hidden_layers=layers,
             block_size=int(dflash.get("block_size") or d.get("block_size") or DEFAULT_BLOCK_SIZE),
             head_dim=d.get("head_dim") or None,
-            num_target_layers=int(num_target) if num_target is not None else None,
+            target_num_layers=int(num_target) if num_target is not None else None,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
@@ -332,7 +332,7 @@ class DFlashDrafter(nn.Module):
         self.cfg = cfg
         H = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, H)  # the target's, frozen (load_target_weights)
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
+        self.fc = nn.Linear(len(cfg.tap_layers) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)  # the drafter's own final norm: trained
@@ -346,7 +346,7 @@ class DFlashDrafter(nn.Module):
     @property
     def tap_layers(self) -> list[int]:
         """The target layers whose outputs `fuse` takes, in concat order (0-based decoder layers)."""
-        return list(self.cfg.target_layer_ids)
+        return list(self.cfg.tap_layers)
 
     @property
     def block_size(self) -> int:

@@ -63,7 +63,7 @@ class Eagle1Config:
     @classmethod
     def from_target_config(cls, hf: dict[str, Any], **overrides: Any) -> Eagle1Config:
         geometry = target_geometry(hf)
-        geometry.pop("num_target_layers")
+        geometry.pop("target_num_layers")
         cfg = cls(**geometry)
         return dataclasses.replace(cfg, **overrides)
 

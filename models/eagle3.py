@@ -12,7 +12,7 @@ The drafter; parameter names are the export keys SGLang/vLLM load:
 
 Eagle3Config: the drafter's geometry, built from the target's HF config and written as the engines'
 config.json. Layer-id conventions - the one place they are converted:
-- `aux_layer_ids` here are 0-based decoder layer ids: the tap is the hidden state AFTER layer i (the same ids
+- `tap_layers` here are 0-based decoder layer ids: the tap is the hidden state AFTER layer i (the same ids
   as the shard manifest's `tap_layers`).
 - `eagle_config.eagle_aux_hidden_state_layer_ids` in config.json is in HF `output_hidden_states` indexing
   (entry 0 = embedding output), i.e. 0-based id + 1: vLLM records the input of layer j, which is the output
@@ -59,7 +59,7 @@ ARCHITECTURE_ALIASES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")
 _UNSUPPORTED_FLAGS = ("norm_before_residual", "norm_before_fc")
 
 
-def default_aux_layer_ids(num_layers: int) -> list[int]:
+def default_tap_layers(num_layers: int) -> list[int]:
     """0-based taps [1, L//2 - 1, L - 4] (= HF hidden_states entries [2, L//2, L - 3]): EAGLE-3's default, and
     the one place its formula is written."""
     if num_layers < 5:
@@ -75,10 +75,10 @@ class Eagle3Config:
     intermediate_size: int
     vocab_size: int  # target vocabulary V (embed_tokens rows, t2d length)
     draft_vocab_size: int  # Vd (lm_head rows, d2t length)
-    aux_layer_ids: list[int]  # 0-based target layers tapped, in concat order
+    tap_layers: list[int]  # 0-based target layers tapped, in concat order
     head_dim: int | None = None  # None -> hidden_size // num_attention_heads
     target_hidden_size: int | None = None  # None -> hidden_size; fc input = n_taps * target_hidden_size
-    target_num_layers: int | None = None  # only used to validate aux_layer_ids
+    target_num_layers: int | None = None  # only used to validate tap_layers
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # None = plain RoPE; else has "rope_type"
@@ -95,11 +95,11 @@ class Eagle3Config:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
-        self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
+        self.tap_layers = [int(i) for i in self.tap_layers]
 
     @property
     def n_taps(self) -> int:
-        return len(self.aux_layer_ids)
+        return len(self.tap_layers)
 
     @property
     def fc_in_features(self) -> int:
@@ -111,7 +111,7 @@ class Eagle3Config:
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(f"Eagle3Config: draft_vocab_size ({self.draft_vocab_size}) > vocab_size "
                              f"({self.vocab_size})")
-        check_layer_ids(self.aux_layer_ids, self.target_num_layers, "Eagle3Config", "aux_layer_ids")
+        check_layer_ids(self.tap_layers, self.target_num_layers, "Eagle3Config", "tap_layers")
         if self.n_taps != 3:
             warnings.warn(f"{self.n_taps} taps: vLLM and SGLang build fc with 3 * target_hidden_size inputs, "
                           "so this drafter will only load in this project", stacklevel=2)
@@ -123,17 +123,17 @@ class Eagle3Config:
         cls,
         hf_config: dict[str, Any],
         draft_vocab_size: int,
-        aux_layer_ids: list[int] | None = None,
+        tap_layers: list[int] | None = None,
         **overrides: Any,
     ) -> Eagle3Config:
         """Drafter geometry = the target's (a one-layer Llama block of the same width); `overrides` replace
         any field (e.g. intermediate_size=...)."""
         geometry = target_geometry(hf_config)
-        num_layers = geometry.pop("num_target_layers")
+        num_layers = geometry.pop("target_num_layers")
         cfg = cls(
             **geometry,
             draft_vocab_size=int(draft_vocab_size),
-            aux_layer_ids=list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(num_layers),
+            tap_layers=list(tap_layers) if tap_layers is not None else default_tap_layers(num_layers),
             target_hidden_size=geometry["hidden_size"],
             target_num_layers=num_layers,
         )
@@ -145,7 +145,7 @@ class Eagle3Config:
     # ------------------------------------------------------------------ engine config.json
     def to_hf_dict(self) -> dict[str, Any]:
         eagle_config: dict[str, Any] = {
-            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in self.aux_layer_ids],  # HF hidden_states index
+            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in self.tap_layers],  # HF hidden_states index
             "use_aux_hidden_state": True,
         }
         if self.target_num_layers is not None:
@@ -185,7 +185,7 @@ class Eagle3Config:
         if hf_ids is not None:
             aux = [int(i) - 1 for i in hf_ids]
         elif target_num_layers is not None:
-            aux = default_aux_layer_ids(int(target_num_layers))
+            aux = default_tap_layers(int(target_num_layers))
         else:
             raise ValueError("config.json has no eagle_config.eagle_aux_hidden_state_layer_ids: pass "
                              "target_num_layers (the target's decoder layer count) to derive the engines' default")
@@ -199,7 +199,7 @@ class Eagle3Config:
             intermediate_size=int(d["intermediate_size"]),
             vocab_size=int(d["vocab_size"]),
             draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]),
-            aux_layer_ids=aux,
+            tap_layers=aux,
             target_hidden_size=int(d.get("target_hidden_size") or hidden),
             target_num_layers=int(target_num_layers) if target_num_layers is not None else None,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
@@ -265,7 +265,7 @@ class Eagle3Drafter(nn.Module):
     @property
     def tap_layers(self) -> list[int]:
         """The target layers whose outputs `fuse` takes, in concat order (0-based decoder layers)."""
-        return list(self.cfg.aux_layer_ids)
+        return list(self.cfg.tap_layers)
 
     @property
     def attn_backend(self) -> str:

@@ -25,6 +25,10 @@ from torch import Tensor, nn
 from models.eagle3 import ARCHITECTURE_ALIASES
 from models.target_head import EMBED_AND_LM_HEAD, EMBED_KEY
 
+# Drafter config fields a checkpoint's drafter_config.json written under an earlier name may carry -> their name.
+RENAMED_FIELDS = {"aux_layer_ids": "tap_layers", "target_layer_ids": "tap_layers",
+                  "num_target_layers": "target_num_layers"}
+
 
 @dataclass(frozen=True)
 class DrafterFamily:
@@ -79,6 +83,7 @@ class DrafterFamily:
         """A CPU drafter from a checkpoint's config + trained tensors; frozen target tensors stay zero."""
         import torch
 
+        config = {RENAMED_FIELDS.get(k, k): v for k, v in config.items()}
         drafter = self.drafter_cls(self.config_cls(**config))
         missing, unexpected = drafter.load_state_dict({**params, **buffers}, strict=False)
         missing = [k for k in missing if k not in self.frozen_keys]

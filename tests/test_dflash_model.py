@@ -14,7 +14,7 @@ from models.dflash import (
     DFlashDrafter,
     anchored_attention,
     anchored_mask,
-    default_target_layer_ids,
+    default_tap_layers,
     export_keys,
     load_export,
     open_block_attention,
@@ -97,17 +97,17 @@ def test_blocks_do_not_see_each_other_and_match_drafting() -> None:
 
 
 def test_default_taps() -> None:
-    assert default_target_layer_ids(30) == [1, 8, 14, 20, 27]  # SmolLM2 (ties round to even, like the engines)
-    assert default_target_layer_ids(36) == [1, 9, 17, 25, 33]  # Qwen3-8B
-    assert default_target_layer_ids(32, 1) == [16]
+    assert default_tap_layers(30) == [1, 8, 14, 20, 27]  # SmolLM2 (ties round to even, like the engines)
+    assert default_tap_layers(36) == [1, 9, 17, 25, 33]  # Qwen3-8B
+    assert default_tap_layers(32, 1) == [16]
     with pytest.raises(ValueError):
-        default_target_layer_ids(3)
+        default_tap_layers(3)
 
 
 def tiny_drafter(dtype=torch.float32) -> DFlashDrafter:
     cfg = DFlashConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, vocab_size=64,
-                       target_layer_ids=[1, 3, 5], mask_token_id=63, num_hidden_layers=2, block_size=4,
-                       num_target_layers=8, rope_theta=5e5, rope_scaling={"rope_type": "linear", "factor": 2.0})
+                       tap_layers=[1, 3, 5], mask_token_id=63, num_hidden_layers=2, block_size=4,
+                       target_num_layers=8, rope_theta=5e5, rope_scaling={"rope_type": "linear", "factor": 2.0})
     d = DFlashDrafter(cfg).to(dtype)
     torch.nn.init.normal_(d.embed_tokens.weight)
     torch.nn.init.normal_(d.lm_head.weight)
@@ -154,11 +154,11 @@ def test_export_config_is_the_public_format(tmp_path) -> None:
     assert cfg["block_size"] == 4 and cfg["num_target_layers"] == 8 and cfg["num_hidden_layers"] == 2
     assert cfg["tie_word_embeddings"] is False and cfg["layer_types"] == ["full_attention"] * 2
     assert cfg["rope_parameters"]["rope_theta"] == 5e5 and cfg["rope_scaling"]["factor"] == 2.0
-    # what a public checkpoint without target_layer_ids means: the engines' default for its layer count
+    # what a public checkpoint without tap_layers means: the engines' default for its layer count
     public = {**cfg, "dflash_config": {"mask_token_id": 151669}, "num_target_layers": 36, "num_hidden_layers": 5,
               "layer_types": ["full_attention"] * 5, "vocab_size": 151936}
     parsed = DFlashConfig.from_hf_dict(public)
-    assert parsed.target_layer_ids == [1, 9, 17, 25, 33] and parsed.block_size == 4 and parsed.mask_token_id == 151669
+    assert parsed.tap_layers == [1, 9, 17, 25, 33] and parsed.block_size == 4 and parsed.mask_token_id == 151669
     with pytest.raises(ValueError, match="not supported"):
         DFlashConfig.from_hf_dict({**cfg, "dflash_config": {**cfg["dflash_config"], "selector_rank": 8}})
     with pytest.raises(ValueError, match="mask_token_id"):

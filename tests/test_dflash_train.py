@@ -31,7 +31,7 @@ SETTINGS = DFlashSettings(block_size=BS, anchors=4, gamma=2.0, chunk_size=7, see
 def make_drafter() -> DFlashDrafter:
     torch.manual_seed(0)
     cfg = DFlashConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
-                       vocab_size=V, target_layer_ids=[0, 2], mask_token_id=V - 1, num_hidden_layers=2,
+                       vocab_size=V, tap_layers=[0, 2], mask_token_id=V - 1, num_hidden_layers=2,
                        block_size=BS)
     d = DFlashDrafter(cfg)
     torch.nn.init.normal_(d.embed_tokens.weight)
@@ -216,7 +216,7 @@ def test_build_drafter_takes_its_taps_from_the_shards(tmp_path) -> None:
     from hydra import compose, initialize_config_dir
     from synthetic_prep import TAP_LAYERS, write_synthetic_prep
 
-    from models.dflash import default_target_layer_ids
+    from models.dflash import default_tap_layers
     from train.build import load_head
     from train.config import RunConfig, register_configs
 
@@ -250,7 +250,7 @@ def test_build_drafter_takes_its_taps_from_the_shards(tmp_path) -> None:
         assert torch.equal(d.lm_head(d.norm(x)), torch.zeros(3, d.lm_head.weight.shape[0]))
         with pytest.warns(UserWarning, match="prep-taps"):  # default [1, 2, 3, 4, 5] not in the shards
             obj, d = build()
-        assert default_target_layer_ids(8) == [1, 2, 3, 4, 5] and d.tap_layers == TAP_LAYERS
+        assert default_tap_layers(8) == [1, 2, 3, 4, 5] and d.tap_layers == TAP_LAYERS
         assert d.mask_token_id == 7 and len(d.layers) == 5 and d.block_size == 16
         with pytest.raises(ValueError, match="prep-taps"):
             build("model.tap_layers=[1,2]")

@@ -165,7 +165,7 @@ def test_eagle3_reads_its_taps_out_of_a_wider_prep() -> None:
     from train.eagle3 import Eagle3Objective
 
     target = tiny_llama(vocab=32, seed=0, dtype=torch.float64)
-    drafter = tiny_drafter(target, aux_layer_ids=[0, 2, 1]).requires_grad_(True)
+    drafter = tiny_drafter(target, tap_layers=[0, 2, 1]).requires_grad_(True)
     head = _target_head(target)
     H = target.config.hidden_size
     g = torch.Generator().manual_seed(5)

@@ -20,7 +20,7 @@ def agreeing_pair():
     from tiny_models import permutation_pair
 
     target, drafter, _ = permutation_pair(vocab=16, hidden=32, noise=0.3, seed=1)
-    return TargetRunner(target, drafter.cfg.aux_layer_ids), drafter
+    return TargetRunner(target, drafter.cfg.tap_layers), drafter
 
 
 def a_tree() -> DraftTree:

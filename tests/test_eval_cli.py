@@ -70,7 +70,7 @@ def exported_drafter(tmp_path_factory, tiny_target_dir: Path) -> Path:
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     ids = sorted(torch.randperm(target.config.vocab_size, generator=g)[:256].tolist())
-    drafter = tiny_drafter(target, aux_layer_ids=[0, 2, 4], draft_token_ids=ids)
+    drafter = tiny_drafter(target, tap_layers=[0, 2, 4], draft_token_ids=ids)
     out = tmp_path_factory.mktemp("export")
     save_export(drafter, out, dtype=torch.float32)
     return out

@@ -18,7 +18,7 @@ def setup():
     from tiny_models import tiny_pair
 
     target, drafter = tiny_pair(vocab=32, seed=3, draft_vocab=24)
-    runner = TargetRunner(target, drafter.cfg.aux_layer_ids)
+    runner = TargetRunner(target, drafter.cfg.tap_layers)
     pre = runner.forward(PREFIX, runner.new_cache())
     root = int(pre.logits[-1].argmax())
     return runner, drafter, pre.taps, root

@@ -29,7 +29,7 @@ def random_pair():
     from tiny_models import tiny_pair
 
     target, drafter = tiny_pair(vocab=32, seed=0, draft_vocab=20)  # reduced draft vocab exercises d2t
-    return TargetRunner(target, drafter.cfg.aux_layer_ids), drafter
+    return TargetRunner(target, drafter.cfg.tap_layers), drafter
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def agreeing_pairs():
     pairs = []
     for noise, seed in [(0.2, 0), (0.3, 1), (0.4, 2)]:
         target, drafter, _ = permutation_pair(vocab=16, hidden=32, noise=noise, seed=seed)
-        pairs.append((TargetRunner(target, drafter.cfg.aux_layer_ids), drafter))
+        pairs.append((TargetRunner(target, drafter.cfg.tap_layers), drafter))
     return pairs
 
 
@@ -150,8 +150,8 @@ def sliding_pair():
                       initializer_range=0.2, use_sliding_window=True, sliding_window=4, max_window_layers=1)
     torch.manual_seed(0)
     target = Qwen2ForCausalLM(cfg).double().eval()
-    drafter = tiny_drafter(target, aux_layer_ids=[0, 1, 2])
-    return TargetRunner(target, drafter.cfg.aux_layer_ids), drafter
+    drafter = tiny_drafter(target, tap_layers=[0, 1, 2])
+    return TargetRunner(target, drafter.cfg.tap_layers), drafter
 
 
 def test_plain_baseline_equals_transformers_generate(random_pair, sliding_pair) -> None:

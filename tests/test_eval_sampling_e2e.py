@@ -39,7 +39,7 @@ def make_pair():
     from tiny_models import permutation_pair
 
     target, drafter, _ = permutation_pair(vocab=VOCAB, hidden=16, noise=0.3, sharpness=1.0, seed=1)
-    return TargetRunner(target, drafter.cfg.aux_layer_ids), drafter
+    return TargetRunner(target, drafter.cfg.tap_layers), drafter
 
 
 def generate_many(runner, drafter, settings: SpecSettings | None, seed: int, n: int = SEQS,

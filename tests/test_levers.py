@@ -26,7 +26,7 @@ V, VD, H = 96, 40, 32
 
 def tiny(**flags) -> Eagle3Drafter:
     cfg = Eagle3Config(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
-                       vocab_size=V, draft_vocab_size=VD, aux_layer_ids=[1, 2, 3], max_position_embeddings=256,
+                       vocab_size=V, draft_vocab_size=VD, tap_layers=[1, 2, 3], max_position_embeddings=256,
                        **flags)
     torch.manual_seed(0)
     drafter = Eagle3Drafter(cfg)

@@ -12,7 +12,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from models.attention import DecodeCache, TTTCache
-from models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
+from models.eagle3 import Eagle3Config, Eagle3Drafter, default_tap_layers
 from models.layers import RMSNorm
 from models.rope import rope_inv_freq
 
@@ -44,11 +44,11 @@ def test_from_target_config_reads_geometry_and_defaults():
     cfg = Eagle3Config.from_target_config(TARGET, draft_vocab_size=40)
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (32, 4, 2, 8)
     assert (cfg.intermediate_size, cfg.vocab_size, cfg.draft_vocab_size, cfg.target_hidden_size) == (48, 97, 40, 32)
-    assert cfg.aux_layer_ids == [1, 5, 8] == default_aux_layer_ids(12)  # [1, L//2-1, L-4]
+    assert cfg.tap_layers == [1, 5, 8] == default_tap_layers(12)  # [1, L//2-1, L-4]
     assert cfg.rope_theta == 5000.0 and cfg.rope_scaling["rope_type"] == "llama3"
     assert cfg.fc_in_features == 96 and cfg.rms_norm_eps == 1e-5 and cfg.max_position_embeddings == 256
-    custom = Eagle3Config.from_target_config(TARGET, 40, aux_layer_ids=[0, 3, 11], intermediate_size=64)
-    assert custom.aux_layer_ids == [0, 3, 11] and custom.intermediate_size == 64
+    custom = Eagle3Config.from_target_config(TARGET, 40, tap_layers=[0, 3, 11], intermediate_size=64)
+    assert custom.tap_layers == [0, 3, 11] and custom.intermediate_size == 64
 
 
 def test_from_target_config_legacy_rope_keys():
@@ -65,8 +65,8 @@ def test_from_target_config_legacy_rope_keys():
 @pytest.mark.parametrize("override,match", [
     ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
     ({"vocab_size": 39}, "draft_vocab_size"),
-    ({"aux_layer_ids": [1, 5, 12]}, "out of range"),
-    ({"aux_layer_ids": [1, 1, 5]}, "duplicate"),
+    ({"tap_layers": [1, 5, 12]}, "out of range"),
+    ({"tap_layers": [1, 1, 5]}, "duplicate"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type"),
     ({"hidden_act": "gelu"}, "silu"),
 ])
@@ -81,7 +81,7 @@ def test_unknown_override_and_partial_rotary_rejected():
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         Eagle3Config.from_target_config({**TARGET, "partial_rotary_factor": 0.5}, 40)
     with pytest.warns(UserWarning, match="3 \\* target_hidden_size"):
-        Eagle3Config.from_target_config(TARGET, 40, aux_layer_ids=[1, 5])
+        Eagle3Config.from_target_config(TARGET, 40, tap_layers=[1, 5])
 
 
 def test_hf_dict_round_trip_and_layer_id_convention():
@@ -95,7 +95,7 @@ def test_hf_dict_round_trip_and_layer_id_convention():
     no_ids = {**d, "eagle_config": {}}
     with pytest.raises(ValueError, match="target_num_layers"):
         Eagle3Config.from_hf_dict(no_ids)
-    assert Eagle3Config.from_hf_dict(no_ids, target_num_layers=12).aux_layer_ids == [1, 5, 8]
+    assert Eagle3Config.from_hf_dict(no_ids, target_num_layers=12).tap_layers == [1, 5, 8]
     with pytest.raises(ValueError, match="not supported"):
         Eagle3Config.from_hf_dict({**d, "norm_before_residual": True})
     with pytest.raises(ValueError, match="architectures"):

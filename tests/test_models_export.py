@@ -190,7 +190,7 @@ def test_public_layout_loads(tmp_path):
     with pytest.raises(ValueError, match="target_num_layers"):
         load_export(tmp_path / "pub")
     back = load_export(tmp_path / "pub", target_num_layers=10)
-    assert back.cfg.aux_layer_ids == d.cfg.aux_layer_ids == [1, 4, 6]
+    assert back.cfg.tap_layers == d.cfg.tap_layers == [1, 4, 6]
     assert torch.equal(back.t2d, d.t2d)  # derived from d2t
     assert torch.equal(logits_of(back), logits_of(d))
 

@@ -39,7 +39,7 @@ def test_drafter_state_is_exact_arithmetic_on_the_meta_drafter(embedded) -> None
     target, drafter = embedded
     from models.eagle3 import Eagle3Config, Eagle3Drafter
 
-    cfg = Eagle3Config.from_target_config(target.config, draft_vocab_size=32000, aux_layer_ids=[1, 14, 26])
+    cfg = Eagle3Config.from_target_config(target.config, draft_vocab_size=32000, tap_layers=[1, 14, 26])
     with torch.device("meta"):
         model = Eagle3Drafter(cfg)
     trained = sum(p.numel() for n, p in model.named_parameters() if n != "embed_tokens.weight")

@@ -22,7 +22,7 @@ def tiny(backend: str = "auto", seed: int = 0):
         intermediate_size=64,
         vocab_size=V,
         draft_vocab_size=VD,
-        aux_layer_ids=[1, 2, 3],
+        tap_layers=[1, 2, 3],
         max_position_embeddings=256,
     )
     torch.manual_seed(seed)

@@ -25,7 +25,7 @@ def load(prep):
     n_taps = len(train.manifest.tap_layers)
     # The tiny 6-layer target's default taps repeat a layer ([1, 2, 2]), which the drafter config refuses;
     # only the fc input width (n_taps * H) matters here.
-    cfg = Eagle3Config.from_target_config(hf, draft_vocab_size=vd, aux_layer_ids=list(range(n_taps)))
+    cfg = Eagle3Config.from_target_config(hf, draft_vocab_size=vd, tap_layers=list(range(n_taps)))
     torch.manual_seed(0)
     drafter = Eagle3Drafter(cfg)
     drafter.load_target_embedding(head.embed_tokens_weight.float())

@@ -39,7 +39,7 @@ def tiny_llama(
 
 def tiny_drafter(
     target,
-    aux_layer_ids: list[int] | None = None,
+    tap_layers: list[int] | None = None,
     draft_token_ids: list[int] | None = None,
     intermediate: int | None = None,
     seed: int = 0,
@@ -51,9 +51,9 @@ def tiny_drafter(
     hf = target.config.to_dict()
     vocab = int(hf["vocab_size"])
     ids = sorted(draft_token_ids) if draft_token_ids is not None else list(range(vocab))
-    aux = list(aux_layer_ids) if aux_layer_ids is not None else list(range(min(3, hf["num_hidden_layers"])))
+    aux = list(tap_layers) if tap_layers is not None else list(range(min(3, hf["num_hidden_layers"])))
     overrides = {"intermediate_size": intermediate} if intermediate else {}
-    cfg = Eagle3Config.from_target_config(hf, draft_vocab_size=len(ids), aux_layer_ids=aux, **overrides)
+    cfg = Eagle3Config.from_target_config(hf, draft_vocab_size=len(ids), tap_layers=aux, **overrides)
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(cfg)
     embed = target.get_input_embeddings().weight
@@ -77,7 +77,7 @@ def tiny_dflash_drafter(
     hf = target.config.to_dict()
     taps = list(tap_layers) if tap_layers is not None else list(range(min(3, hf["num_hidden_layers"])))
     mask = int(hf["vocab_size"]) - 1 if mask_token_id is None else mask_token_id
-    cfg = DFlashConfig.from_target_config(hf, mask_token_id=mask, target_layer_ids=taps, num_hidden_layers=num_layers,
+    cfg = DFlashConfig.from_target_config(hf, mask_token_id=mask, tap_layers=taps, num_hidden_layers=num_layers,
                                           block_size=block_size)
     torch.manual_seed(seed)
     embed = target.get_input_embeddings().weight
@@ -130,9 +130,9 @@ def permutation_pair(
     lm[perm] = sharpness * u  # row π(x) = sharpness * u_x
     target.lm_head.weight.copy_(lm)
 
-    drafter = tiny_drafter(target, aux_layer_ids=[0, 1, 2][:layers], intermediate=vocab, seed=seed + 3)
+    drafter = tiny_drafter(target, tap_layers=[0, 1, 2][:layers], intermediate=vocab, seed=seed + 3)
     sd = drafter.state_dict()
-    n_taps = len(drafter.cfg.aux_layer_ids)
+    n_taps = len(drafter.cfg.tap_layers)
     fc = torch.zeros(hidden, n_taps * hidden, dtype=dtype)
     fc[:, :hidden] = torch.eye(hidden, dtype=dtype)
     updates = {

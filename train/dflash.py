@@ -230,12 +230,11 @@ def default_mask_token_id(tokenizer, vocab_size: int) -> int:
     return max(unused) if unused else vocab_size - 1
 
 
-def prep_tap_layers(num_target_layers: int, num_layers: int = DEFAULT_NUM_LAYERS) -> list[int]:
+def prep_tap_layers(target_num_layers: int, num_layers: int = DEFAULT_NUM_LAYERS) -> list[int]:
     """The union of EAGLE-3's and DFlash's default taps: one prep that serves both drafters."""
-    from models.dflash import default_target_layer_ids
-    from models.eagle3 import default_aux_layer_ids
+    from models import dflash, eagle3
 
-    return sorted(set(default_aux_layer_ids(num_target_layers)) | set(default_target_layer_ids(num_target_layers,
+    return sorted(set(eagle3.default_tap_layers(target_num_layers)) | set(dflash.default_tap_layers(target_num_layers,
                                                                                                 num_layers)))
 
 
@@ -268,7 +267,7 @@ class DFlashObjective:
 
     def build_drafter(self, prep_dir: Path, tap_layers: list[int], head: nn.Module) -> nn.Module:
         from models.config import target_geometry
-        from models.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
+        from models.dflash import DFlashConfig, DFlashDrafter, default_tap_layers
         from train.build import drafter_config, initial_norm_weight, target_config
 
         m = self.cfg.model
@@ -277,7 +276,7 @@ class DFlashObjective:
         if m.tap_layers is not None:
             taps = list(m.tap_layers)
         else:
-            taps = default_target_layer_ids(geo["num_target_layers"], layers)
+            taps = default_tap_layers(geo["target_num_layers"], layers)
             if not set(taps) <= set(tap_layers):
                 warnings.warn(
                     f"the shards carry taps {list(tap_layers)}, not DFlash's default {taps}: the drafter reads the "
@@ -289,7 +288,7 @@ class DFlashObjective:
         if mask is None:
             mask = _prep_mask_token_id(Path(prep_dir), geo["vocab_size"])
         dcfg = drafter_config(DFlashConfig, m, prep_dir, self.cfg.data.max_len, mask_token_id=mask,
-                              target_layer_ids=taps, num_hidden_layers=layers, block_size=self.settings.block_size)
+                              tap_layers=taps, num_hidden_layers=layers, block_size=self.settings.block_size)
         drafter = DFlashDrafter(dcfg)
         drafter.load_target_weights(head.embed_tokens_weight, head.lm_head.weight)
         norm = initial_norm_weight(m.norm_init, head, drafter.norm.weight)

@@ -9,7 +9,7 @@ from pathlib import Path
 from torch import Tensor, nn
 
 from models.config import target_geometry
-from models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
+from models.eagle3 import Eagle3Config, Eagle3Drafter, default_tap_layers
 from train.batch import Batch, tap_columns
 from train.build import draft_vocab, drafter_config, initial_norm_weight, target_config
 from train.config import ModelConfig
@@ -21,7 +21,7 @@ def eagle3_config(cfg: ModelConfig, prep_dir: Path, tap_layers: list[int], max_l
     """The drafter config from the prep's target config, the taps it reads and the EAGLE-3 levers in `cfg`."""
     d2t, _ = draft_vocab(prep_dir, cfg.draft_vocab_size)
     return drafter_config(Eagle3Config, cfg, prep_dir, max_len, draft_vocab_size=d2t.numel(),
-                          aux_layer_ids=tap_layers, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
+                          tap_layers=tap_layers, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
 
 
 class Eagle3Objective:
@@ -49,7 +49,7 @@ class Eagle3Objective:
         """A freshly initialised drafter (seed first!) with the target's frozen embedding, the vocab maps
         and the output head's initialisation (model.lm_head_init, norm_init, freeze_lm_head)."""
         try:
-            default = default_aux_layer_ids(target_geometry(target_config(prep_dir))["num_target_layers"])
+            default = default_tap_layers(target_geometry(target_config(prep_dir))["target_num_layers"])
         except ValueError:  # a target too shallow for EAGLE-3's default taps: the drafter reads the shards'
             default = []
         wanted = list(self.cfg.model.tap_layers or (default if default and set(default) <= set(tap_layers)

@@ -201,7 +201,7 @@ def describe_drafter(cfg, target: TargetInfo) -> DrafterInfo:
     vocab = target_geometry(target.config)["vocab_size"]
     vd = target.draft_vocab_size if m.draft_vocab_size is None else (m.draft_vocab_size if m.draft_vocab_size > 0 else vocab)
     taps = list(m.tap_layers or target.tap_layers)
-    wanted = {"draft_vocab_size": min(vd, vocab), "aux_layer_ids": taps,
+    wanted = {"draft_vocab_size": min(vd, vocab), "tap_layers": taps,
               "fc_norm": m.fc_norm, "norm_output": m.norm_output}
     # the keywords this family's config takes (its from_target_config's own, or its dataclass fields)
     accepted = set(inspect.signature(fam.config_cls.from_target_config).parameters) | set(
@@ -223,7 +223,7 @@ def describe_drafter(cfg, target: TargetInfo) -> DrafterInfo:
         method=m.method, hidden=dcfg.hidden_size, heads=heads, kv_heads=dcfg.num_key_value_heads,
         head_dim=dcfg.head_dim or dcfg.hidden_size // heads, intermediate=dcfg.intermediate_size,
         vocab=geo["vocab_size"], draft_vocab=getattr(dcfg, "draft_vocab_size", geo["vocab_size"]),
-        n_taps=len(getattr(dcfg, "aux_layer_ids", None) or [0]), trainable=trainable, frozen=frozen,
+        n_taps=len(getattr(dcfg, "tap_layers", None) or [0]), trainable=trainable, frozen=frozen,
         head_params=head, buffer_bytes=buffers, norm_output=bool(getattr(dcfg, "norm_output", False)))
 
 
