@@ -144,7 +144,7 @@ def make_prep(work: Path) -> Path:
     # bf16: the target's weights are a private copy in each process (its checkpoint is fp32), as for any target
     # converted while it loads (gpt-oss' MXFP4 experts dequantised to bf16); an fp32 load would memory-map the file
     cmd = [sys.executable, str(ROOT / "launch" / "prep.py"), f"out={prep}", "stage=render", "num_samples=4",
-           "eval_samples=1", "max_length=256", "regen.enabled=false", "draft_vocab_count=train", "dtype=bfloat16"]
+           "eval_samples=1", "max_len=256", "regen.enabled=false", "draft_vocab_count=train", "dtype=bfloat16"]
     subprocess.run(cmd, check=True, cwd=ROOT, env=_env())
     return prep
 

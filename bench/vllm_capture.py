@@ -43,7 +43,7 @@ def rendered_samples(num: int = 40, max_length: int = 1024, data: str = "sharegp
     convs, _ = load_conversations(data, max_records=num * 3)
     out = []
     for c in convs:
-        r = render_conversation(tok, c.messages, max_length=max_length)
+        r = render_conversation(tok, c.messages, max_len=max_length)
         if not isinstance(r, Dropped):
             out.append(Rendered(c.id, torch.tensor(r.input_ids), torch.tensor(r.loss_mask, dtype=torch.bool)))
         if len(out) == num:

@@ -31,7 +31,7 @@ Mask = 1 on every token overlapping [turn start, end-of-turn end) (a token that 
 the turn start counts only if that part is whitespace); 0 elsewhere: system, user, role headers,
 generation prompt. ``assistant_texts`` holds exactly those character spans of ``full``.
 
-Long sequences: ``overflow="truncate"`` keeps the first ``max_length`` tokens and the mask within them
+Long sequences: ``overflow="truncate"`` keeps the first ``max_len`` tokens and the mask within them
 (``truncated=True``), ``overflow="drop"`` drops the conversation (reason ``too_long``). A sample with no
 masked token left is dropped (``no_assistant_tokens``). Text that contains one of the tokenizer's
 special-token strings is dropped (``control_token_in_text``): it would tokenize into a real control
@@ -251,7 +251,7 @@ def render_conversation(
     tokenizer,
     messages: Sequence[MessageLike],
     *,
-    max_length: int,
+    max_len: int,
     overflow: Literal["truncate", "drop"] = "truncate",
     chat_template: str | None = None,
     template_kwargs: Mapping[str, Any] | None = None,
@@ -291,36 +291,36 @@ def render_conversation(
                for e in [spans[k][2]] if full[e - len(asst[k]["content"]):e] == asst[k]["content"]]
     missing = sum(1 for _, g in generated if g) - len(regions)  # content not found as rendered (a trimming template)
     # the whole text when ids are spliced in: the prefix shortcut's count would not hold after the splice
-    ids, offsets, n = _tokenize(tokenizer, full, max_length if not regions else None)
+    ids, offsets, n = _tokenize(tokenizer, full, max_len if not regions else None)
     mask = _mask_from_spans(offsets, spans, full)
     if regions:
         ids, mask, left = _splice_generated(ids, offsets, mask, regions)
         missing, n = missing + left, len(ids)
-    if n is None or n > max_length:
+    if n is None or n > max_len:
         if overflow == "drop":
-            return Dropped("too_long", f"{n or 'more than ' + str(max_length)} tokens > {max_length}")
-        ids, mask = ids[:max_length], mask[:max_length]
+            return Dropped("too_long", f"{n or 'more than ' + str(max_len)} tokens > {max_len}")
+        ids, mask = ids[:max_len], mask[:max_len]
     if not any(mask):
-        return Dropped("no_assistant_tokens", f"no assistant token within the first {max_length} tokens")
-    truncated = n is None or n > max_length
+        return Dropped("no_assistant_tokens", f"no assistant token within the first {max_len} tokens")
+    truncated = n is None or n > max_len
     return RenderedSample(ids, mask, [full[s:e] for s, e, _ in spans], truncated=truncated, full_length=n,
                           retokenized_turns=missing)
 
 
-def _tokenize(tok, text: str, max_length: int | None) -> tuple[list[int], list[tuple[int, int]], int | None]:
+def _tokenize(tok, text: str, max_len: int | None) -> tuple[list[int], list[tuple[int, int]], int | None]:
     """(ids, offsets, total token count or None if only a long-enough prefix was tokenized).
 
     Long conversations are truncated anyway, so only a prefix of the text is tokenized when that
-    provably gives the same first `max_length` tokens: every token before the prefix's last
-    pre-token (word) is unaffected by where the text was cut. `max_length` None: the whole text.
+    provably gives the same first `max_len` tokens: every token before the prefix's last
+    pre-token (word) is unaffected by where the text was cut. `max_len` None: the whole text.
     """
-    cut = 6 * (max_length or 0) + 256  # chars; typical text has 3-5 chars per token
-    if max_length is not None and len(text) > cut + cut // 2:
+    cut = 6 * (max_len or 0) + 256  # chars; typical text has 3-5 chars per token
+    if max_len is not None and len(text) > cut + cut // 2:
         enc = tok(text[:cut], add_special_tokens=False, return_offsets_mapping=True)
         words = enc.word_ids()
         if words and words[-1] is not None:
             first_of_last = words.index(words[-1])
-            if first_of_last > max_length:
+            if first_of_last > max_len:
                 return list(enc["input_ids"]), list(enc["offset_mapping"]), None
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])

@@ -15,6 +15,21 @@ class ConfigError(ValueError):
     """A configuration that composes but cannot run; the message names the key."""
 
 
+# Prep keys renamed so that prep, training and evaluation name each concept once (data.max_len in training):
+# old -> new. An old key is refused, naming the new one (`refuse_renamed`, `check_keys`).
+RENAMED_KEYS = {"max_length": "max_len"}
+
+
+def refuse_renamed(overrides: list[str], renamed: dict[str, str]) -> None:
+    """ConfigError for a command-line override (`key=value`, `+key=value`, `~key`) of a renamed key, before
+    Hydra composes anything (whose own error would only say the key is unknown)."""
+    for arg in overrides:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        if key in renamed:
+            value = arg.split("=", 1)[1] if "=" in arg else "..."
+            raise ConfigError(f"'{key}' is now '{renamed[key]}': pass {renamed[key]}={value}")
+
+
 @dataclass
 class RegenConfig:
     enabled: bool = True  # False: train on the dataset's own responses
@@ -82,8 +97,8 @@ class PrepConfig:
     # held-out conversations, never trained on; None: held_out_count (10% of the usable conversations, at least 2,
     # at most 40, at most half of them)
     eval_samples: int | None = None
-    max_length: int = 2048
-    overflow: str = "truncate"  # truncate: keep the first max_length tokens | drop: skip the sample
+    max_len: int = 2048
+    overflow: str = "truncate"  # truncate: keep the first max_len tokens | drop: skip the sample
     seed: int = 0
     # Vd; None: the target preset's (32000 unless measured otherwise); capped at the distinct tokens counted;
     # <= 0: the whole target vocabulary.
@@ -126,8 +141,8 @@ class PrepConfig:
             raise ValueError(f"draft_vocab_train_weight must be in [0, 1], got {self.draft_vocab_train_weight}")
         if self.capture.tensor_parallel_size < 1:
             raise ValueError(f"capture.tensor_parallel_size must be >= 1, got {self.capture.tensor_parallel_size}")
-        if self.max_length < 8:
-            raise ValueError("max_length must be >= 8")
+        if self.max_len < 8:
+            raise ValueError("max_len must be >= 8")
         self.capture_engine_checks()
 
     def capture_engine_checks(self) -> None:
@@ -164,21 +179,24 @@ def held_out_count(eval_samples: int | None, usable: int) -> int:
 
 def prep_config(raw: DictConfig) -> PrepConfig:
     """A composed Hydra config as a typed PrepConfig, every key checked against the schema."""
-    check_keys(OmegaConf.to_container(raw, resolve=False), PrepConfig)
+    check_keys(OmegaConf.to_container(raw, resolve=False), PrepConfig, renamed=RENAMED_KEYS)
     return OmegaConf.to_object(raw)
 
 
-def check_keys(node: Any, schema: type, prefix: str = "") -> None:
-    """ConfigError for a key of `node` that `schema` (a dataclass, nested) lacks, with the closest known key.
-    Hydra's `+key=value` opens the struct flag, so an appended key slips past the schema otherwise (and the
-    default is silently used). Shared by prep and train."""
+def check_keys(node: Any, schema: type, prefix: str = "", renamed: dict[str, str] | None = None) -> None:
+    """ConfigError for a key of `node` that `schema` (a dataclass, nested) lacks, with the closest known key
+    (a key of `renamed`, full dotted name -> its new name: that name). Hydra's `+key=value` opens the struct
+    flag, so an appended key slips past the schema otherwise (and the default is silently used). Shared by
+    prep and train."""
     if not (dataclasses.is_dataclass(schema) and isinstance(node, dict)):
         return
     known = {f.name: f for f in dataclasses.fields(schema)}
     hints = typing.get_type_hints(schema)
     for key, value in node.items():
+        if f"{prefix}{key}" in (renamed or {}):
+            raise ConfigError(f"'{prefix}{key}' is now '{renamed[f'{prefix}{key}']}'")  # type: ignore[index]
         if key not in known:
             close = difflib.get_close_matches(str(key), list(known), n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {sorted(known)}"
             raise ConfigError(f"unknown config key '{prefix}{key}' (not in {schema.__name__}){hint}")
-        check_keys(value, hints[key], f"{prefix}{key}.")
+        check_keys(value, hints[key], f"{prefix}{key}.", renamed)

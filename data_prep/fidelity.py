@@ -57,14 +57,14 @@ def tolerance(dtype: torch.dtype, reference: Tensor) -> float:
     return HALF_ULPS * torch.finfo(dtype).eps * max(1.0, float(reference.abs().max()))
 
 
-def probe_batch(tokenizer, conversations: Sequence[Conversation], max_length: int,
+def probe_batch(tokenizer, conversations: Sequence[Conversation], max_len: int,
                 template_kwargs: dict) -> tuple[Tensor, Tensor]:
     """(input_ids, attention_mask) of the first PROBE_SAMPLES conversations, rendered with the chat template
     (their text alone where the template refuses one), PROBE_TOKENS tokens at most each, right-padded."""
-    length = min(max_length, PROBE_TOKENS)
+    length = min(max_len, PROBE_TOKENS)
     seqs = []
     for conv in conversations[:PROBE_SAMPLES]:
-        r = render_conversation(tokenizer, conv.messages, max_length=length, template_kwargs=template_kwargs)
+        r = render_conversation(tokenizer, conv.messages, max_len=length, template_kwargs=template_kwargs)
         ids = (tokenizer("\n".join(m.content for m in conv.messages), add_special_tokens=False)["input_ids"]
                if isinstance(r, Dropped) else r.input_ids)
         if ids:

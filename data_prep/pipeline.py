@@ -97,7 +97,7 @@ from models.target_head import TargetHead
 SPLITS = ("train", "eval")
 CUT_UNMASKED = "regen: cut reply kept, its end of turn unmasked (regen.on_length=unmask)"  # replies
 CUT_DROPPED = "regen: reply cut at regen.max_new_tokens (regen.on_length=drop)"  # conversations
-NOT_SKIPS = ("captured_tokens", "truncated to max_length", CUT_UNMASKED)  # counted, but the sample is kept
+NOT_SKIPS = ("captured_tokens", "truncated to max_len", CUT_UNMASKED)  # counted, but the sample is kept
 
 
 def _world() -> tuple[int, int]:
@@ -146,7 +146,7 @@ def dataset_token_counts(cfg: PrepConfig, tokenizer, convs: list[Conversation], 
         convs = convs[: cfg.draft_vocab_count_max]
     for conv in tqdm(convs[rank::world], desc="count tokens for the draft vocab", unit="conv", mininterval=5,
                      disable=rank != 0):
-        result = render_conversation(tokenizer, conv.messages, max_length=cfg.max_length, overflow="truncate",
+        result = render_conversation(tokenizer, conv.messages, max_len=cfg.max_len, overflow="truncate",
                                      template_kwargs=template_kwargs(cfg, preset))
         if not isinstance(result, Dropped):
             ids = torch.tensor(result.input_ids)
@@ -164,8 +164,8 @@ def first_prompt(conv: Conversation) -> list[Message]:
 
 def reply_room(cfg: PrepConfig) -> int:
     """The longest prompt (tokens) after which a whole reply of regen.max_new_tokens still fits under
-    max_length: a longer one would be cut before its reply is complete, so it is not sent."""
-    return cfg.max_length - cfg.regen.max_new_tokens
+    max_len: a longer one would be cut before its reply is complete, so it is not sent."""
+    return cfg.max_len - cfg.regen.max_new_tokens
 
 
 def plan_regeneration(cfg: PrepConfig, preset: TargetPreset, tokenizer, convs: list[Conversation]):
@@ -235,14 +235,14 @@ def render_all(cfg: PrepConfig, tokenizer, convs: list[Conversation], preset: Ta
             counts[CUT_DROPPED] += 1
             continue
         result = render_conversation(
-            tokenizer, conv.messages, max_length=cfg.max_length, overflow=cfg.overflow,
+            tokenizer, conv.messages, max_len=cfg.max_len, overflow=cfg.overflow,
             template_kwargs=template_kwargs(cfg, preset),
         )
         if isinstance(result, Dropped):
             counts[f"render: {result.reason}"] += 1
             continue
         if result.truncated:
-            counts["truncated to max_length"] += 1
+            counts["truncated to max_len"] += 1
         mask = torch.tensor(result.loss_mask, dtype=torch.bool)
         if not mask[1:].any():
             counts["render: no trainable assistant token"] += 1
@@ -464,7 +464,7 @@ def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, head: TargetHead, model,
         "tokens": tokens,
         "loss_tokens_train": int(counts.sum()),
         "skipped": {k: v for k, v in sorted(total.items()) if k not in NOT_SKIPS},
-        "truncated_to_max_length": total["truncated to max_length"],
+        "truncated_to_max_len": total["truncated to max_len"],
         "loader_skips": parts[0]["loader_skips"],
         "regen": [p.get("regen") for p in parts],
         **regen_counts(cfg, total, [p.get("regen") or {} for p in parts]),
@@ -531,7 +531,7 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
         taps_dtype=cfg.capture.taps_dtype,
         tokenizer_hash=tokenizer_hash(tokenizer),
         chat_template_hash=template_hash(tokenizer),
-        max_length=cfg.max_length,
+        max_len=cfg.max_len,
     )
     write_spec(out, spec, TargetSource(model=str(Path(preset.local_path).resolve()) if preset.local_path else cfg.model,
                                       dtype=cfg.dtype or preset.dtype, chat_template=cfg.chat_template))
@@ -540,7 +540,7 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
     capture_seconds = 0.0
     vllm_splits: dict = {}  # capture.engine=vllm: split -> (rendered, shard root), captured by one engine below
     with HiddenStateCapture(model, tap_layers) as capture:
-        probe = probe_batch(tokenizer, splits["train"], cfg.max_length, template_kwargs(cfg, preset))
+        probe = probe_batch(tokenizer, splits["train"], cfg.max_len, template_kwargs(cfg, preset))
         fidelity = check_fidelity(model, head, capture, *(x.to(device) for x in probe))
         if rank == 0:
             print_fidelity(fidelity)
@@ -548,7 +548,7 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
             mine = splits[split][part::parts]
             if cfg.regen.enabled:
                 mine, too_long = plan_regeneration(cfg, preset, tokenizer, mine)
-                counts["regen: first prompt leaves no room for a reply under max_length"] += too_long
+                counts["regen: first prompt leaves no room for a reply under max_len"] += too_long
                 path = _regen_path(out, split, part, group, cfg.seed)
                 mine, regen_summary[split] = regenerate_split(cfg, preset, model, tokenizer, mine, path)
             rendered, render_counts = render_all(cfg, tokenizer, mine, preset)
@@ -608,7 +608,7 @@ def print_summary(summary: dict, out: Path) -> None:
     print("  " + SkipReport.from_dict(summary["loader_skips"]).summary().replace("\n", "\n  "))
     for reason, n in summary["skipped"].items():
         print(f"  skipped {n:>7}  {reason}")
-    print(f"  truncated to max_length (kept) {summary['truncated_to_max_length']}")
+    print(f"  truncated to max_len (kept) {summary['truncated_to_max_len']}")
     cut, later = summary["regen_cut_replies"], summary["regen_later_turns_dropped"]
     if cut["kept_end_of_turn_unmasked"] or cut["conversations_dropped"]:
         print(f"  regen    replies cut at max_new_tokens={cut['max_new_tokens']}, regen.on_length={cut['on_length']}: "

@@ -433,7 +433,7 @@ def regenerate(
     `batch_size` conversations advance together, one turn index per backend call (for the openai
     backend it bounds the requests in flight together with the backend's `concurrency`).
     `enable_thinking` None falls back to the backend's own `enable_thinking`. `prompt_fits(prompt)` False:
-    no room for a whole reply after that prompt (the prep's max_length); nothing is sent for it.
+    no room for a whole reply after that prompt (the prep's max_len); nothing is sent for it.
     """
     from tqdm import tqdm
 

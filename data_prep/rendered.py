@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from data_prep.shards import ShardError, ShardSpec, sha256_file, writing
+from data_prep.shards import ShardError, ShardSpec, sha256_file, spec_fields, writing
 
 RENDERED_DIR = "rendered"
 SPEC_FILE = "spec.json"
@@ -106,7 +106,7 @@ class RenderedSet:
                              "the finished stages, or train with data.source=offline)")
         try:
             raw = json.loads(spec_path.read_text())
-            self.spec = ShardSpec(**raw["spec"])
+            self.spec = ShardSpec(**spec_fields(raw["spec"]))
             self.target_source = TargetSource(**raw["target_source"])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise ShardError(f"{spec_path}: unreadable ({e})") from e

@@ -90,6 +90,15 @@ class ShardInfo:
         return len(self.sample_ids)
 
 
+# Spec fields a manifest or rendered/spec.json written under an earlier name may carry -> their name.
+RENAMED_SPEC_FIELDS = {"max_length": "max_len"}
+
+
+def spec_fields(raw: dict) -> dict:
+    """A stored spec's fields under their current names."""
+    return {RENAMED_SPEC_FIELDS.get(k, k): v for k, v in raw.items()}
+
+
 @dataclass
 class ShardSpec:
     """Everything about a shard set except its shards: what a reader needs to interpret them."""
@@ -101,7 +110,7 @@ class ShardSpec:
     taps_dtype: str = "bfloat16"
     tokenizer_hash: str = ""
     chat_template_hash: str = ""
-    max_length: int = 0
+    max_len: int = 0
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -146,7 +155,7 @@ class Manifest(ShardSpec):
         if version != FORMAT_VERSION:
             raise ShardError(f"{path}: format_version {version}, this code reads {FORMAT_VERSION}")
         raw["shards"] = [ShardInfo(**s) for s in raw.get("shards", [])]
-        return cls(**raw)
+        return cls(**spec_fields(raw))
 
     def spec(self) -> ShardSpec:
         fields = {k: v for k, v in asdict(self).items() if k != "shards"}

@@ -303,7 +303,7 @@ def capture_prep(cfg, preset, model, head, spec: ShardSpec, tap_layers: list[int
 
     v = cfg.capture.vllm
     job = VLLMJob(python=python, model=model_path(preset), dtype=cfg.dtype or preset.dtype,
-                  max_model_len=cfg.max_length + 1, tap_layers=tap_layers, num_layers=preset.num_layers,
+                  max_model_len=cfg.max_len + 1, tap_layers=tap_layers, num_layers=preset.num_layers,
                   hidden_size=preset.hidden_size, work_dir=out / f".vllm_capture.r{part}",
                   tensor_parallel_size=v.tensor_parallel_size, pipeline_parallel_size=v.pipeline_parallel_size,
                   engine_kwargs=dict(v.engine_kwargs), max_pending_files=v.max_pending_files,

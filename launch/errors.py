@@ -122,16 +122,26 @@ def warnings_once_per_run() -> None:
     warnings.showwarning = show_once
 
 
-def hydra_main(config_path: str, config_name: str) -> Callable[[F], F]:
+def hydra_main(config_path: str, config_name: str, renamed: dict[str, str] | None = None) -> Callable[[F], F]:
     """`hydra.main(config_path, config_name, version_base="1.3")` with user errors reported once, both those of
     the job (inside Hydra, which would otherwise print "Error executing job ..." on every rank) and Hydra's own
-    composition errors (outside it), and Python warnings from rank 0 only."""
+    composition errors (outside it), and Python warnings from rank 0 only. `renamed` (old key -> new): an
+    override of an old key is refused, naming the new one, before Hydra composes anything."""
     import hydra
 
     def decorate(task: F) -> F:
         full = os.environ.get("HYDRA_FULL_ERROR") == "1"  # when the launcher's module is imported
-        inner = hydra.main(config_path=config_path, config_name=config_name, version_base="1.3")(
+        hydra_task = hydra.main(config_path=config_path, config_name=config_name, version_base="1.3")(
             user_errors(task, full))
+
+        @functools.wraps(hydra_task)
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            if renamed:
+                from data_prep.config import refuse_renamed
+
+                refuse_renamed(sys.argv[1:], renamed)
+            return hydra_task(*args, **kwargs)
+
         outer = user_errors(inner, full)
 
         @functools.wraps(inner)

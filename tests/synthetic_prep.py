@@ -70,7 +70,7 @@ def write_synthetic_prep(
                 "num_layers": NUM_LAYERS, "hidden_size": hidden, "vocab_size": vocab},
         tap_layers=TAP_LAYERS,
         teacher="hidden",
-        max_length=max_len,
+        max_len=max_len,
     )
 
     def sample(name: str) -> Sample:

@@ -57,7 +57,7 @@ def write(root: Path, files: dict[str, bytes]) -> Path:
 
 
 @pytest.mark.parametrize(("override", "hint"), [
-    ("+max_lenght=64", "did you mean 'max_length'"),
+    ("+max_lenght=64", "did you mean 'max_len'"),
     ("+regen.max_turn=2", "did you mean 'regen.max_turns'"),
 ])
 def test_prep_rejects_an_appended_unknown_key(tmp_path: Path, override: str, hint: str) -> None:
@@ -66,6 +66,17 @@ def test_prep_rejects_an_appended_unknown_key(tmp_path: Path, override: str, hin
                        capture_output=True, text=True, env=ENV, timeout=120, cwd=REPO)
     assert r.returncode != 0 and "unknown config key" in r.stderr and hint in r.stderr, r.stderr[-2000:]
     assert not (out / "train").exists()
+
+
+@pytest.mark.parametrize("override", ["max_length=64", "+max_length=64"])
+def test_prep_refuses_a_renamed_key_naming_the_new_one(tmp_path: Path, override: str) -> None:
+    """One name per concept (training's data.max_len): prep's old key stops before any work, naming the new."""
+    out = tmp_path / "prep"
+    r = subprocess.run([sys.executable, str(REPO / "launch" / "prep.py"), override, f"out={out}"],
+                       capture_output=True, text=True, env=ENV, timeout=120, cwd=REPO)
+    assert r.returncode == 2 and "config error: 'max_length' is now 'max_len'" in r.stderr, r.stderr[-2000:]
+    assert "max_len=64" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -288,3 +288,18 @@ def test_vocab_mapping():
         d.set_vocab_mapping(targets - torch.arange(40), bad)
     with pytest.raises(ValueError, match="target embedding"):
         d.load_target_embedding(torch.zeros(97, 31))
+
+
+def test_a_checkpoint_config_with_earlier_field_names_rebuilds() -> None:
+    """A checkpoint's drafter_config.json written with aux_layer_ids / num_target_layers rebuilds (registry)."""
+    import dataclasses
+
+    from models.registry import family
+
+    d = tiny_drafter()
+    config = dataclasses.asdict(d.cfg)
+    config["aux_layer_ids"] = config.pop("tap_layers")
+    state = d.state_dict()
+    params = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
+    again = family("eagle3").from_state(config, params, {k: state[k] for k in ("d2t", "t2d")})
+    assert again.cfg.tap_layers == d.cfg.tap_layers == [1, 5, 8]

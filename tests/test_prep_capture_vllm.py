@@ -222,7 +222,7 @@ def test_real_vllm_capture_matches_hf_capture(tmp_path: Path) -> None:
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     compare, rendered_samples = bench.compare, bench.rendered_samples
-    samples = rendered_samples(num=12, max_length=512)
+    samples = rendered_samples(num=12, max_len=512)
     result = compare(samples, VLLM_PYTHON, tmp_path)
     print(result)
     for name, d in result["taps"].items():

@@ -56,7 +56,7 @@ def test_openai_backend_on_real_vllm_matches_hf_greedy(tmp_path: Path, monkeypat
     torch.set_num_threads(1)
     preset = resolve_target("smollm2-135m-instruct")
     model, tok = load_target(preset)
-    cfg = PrepConfig(model=preset.name, data="sharegpt-embedded", out=str(tmp_path), max_length=1024)
+    cfg = PrepConfig(model=preset.name, data="sharegpt-embedded", out=str(tmp_path), max_len=1024)
     cfg.regen.max_new_tokens, cfg.regen.max_turns, cfg.regen.temperature = MAX_NEW_TOKENS, MAX_TURNS, 0.0
     pool, _ = load_conversations("sharegpt-embedded", max_records=30)
     convs, _ = plan_regeneration(cfg, preset, tok, pool)  # shortest first prompts first

@@ -123,3 +123,20 @@ def test_merge_rejects_duplicates(tmp_path: Path) -> None:
         w.close()
     with pytest.raises(ShardError, match="duplicate"):
         merge_manifests(tmp_path)
+
+
+def test_a_manifest_with_the_earlier_max_length_key_still_reads(tmp_path: Path) -> None:
+    """Stored data keeps reading after a key's rename: a manifest's max_length is the spec's max_len."""
+    import json
+
+    from data_prep.shards import Manifest
+
+    w = ShardWriter(tmp_path, make_spec(max_len=64), tokens_per_shard=40)
+    w.add(make_sample(0, 5))
+    w.close()
+    merge_manifests(tmp_path)
+    path = tmp_path / "manifest.json"
+    raw = json.loads(path.read_text())
+    raw["max_length"] = raw.pop("max_len")
+    path.write_text(json.dumps(raw))
+    assert Manifest.from_file(path).max_len == 64

@@ -103,18 +103,18 @@ def check_mask(tok, sample: RenderedSample, expected: list[str], not_trained=tup
 @pytest.mark.parametrize("name", TEMPLATE_NAMES)
 def test_mask_is_exactly_the_rendered_assistant_turns_tiny_bpe(name: str) -> None:
     tok = tiny_tokenizer(name)
-    check_mask(tok, render_conversation(tok, CONV, max_length=4096), EXPECTED[name])
+    check_mask(tok, render_conversation(tok, CONV, max_len=4096), EXPECTED[name])
 
 
 @pytest.mark.parametrize("name", TEMPLATE_NAMES)
 def test_mask_is_exactly_the_rendered_assistant_turns_smollm2(smol, name: str) -> None:
     tok = with_template(smol, name)
-    check_mask(tok, render_conversation(tok, CONV, max_length=4096), EXPECTED[name])
+    check_mask(tok, render_conversation(tok, CONV, max_len=4096), EXPECTED[name])
 
 
 def test_smollm2_own_template_from_gguf(smol) -> None:
     tok = smol  # chat template as shipped in the GGUF
-    sample = render_conversation(tok, CONV[1:], max_length=4096)  # no system: the template adds its own
+    sample = render_conversation(tok, CONV[1:], max_len=4096)  # no system: the template adds its own
     assert decode(tok, sample.input_ids).startswith(
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM"
     )
@@ -126,7 +126,7 @@ def test_token_crossing_the_turn_start(smol) -> None:
     """SmolLM2 merges the header's newline with leading spaces of the reply into one token: that
     token is trained (its part before the turn is whitespace), assistant_texts keeps the template's span."""
     tok = with_template(smol, "chatml_smollm2")
-    s = render_conversation(tok, [Message("user", "Hi"), Message("assistant", "  indented")], max_length=64)
+    s = render_conversation(tok, [Message("user", "Hi"), Message("assistant", "  indented")], max_len=64)
     assert s.assistant_texts == ["  indented<|im_end|>"]
     assert [decode(tok, r) for r in masked_runs(s.input_ids, s.loss_mask)] == ["\n  indented<|im_end|>"]
 
@@ -134,8 +134,8 @@ def test_token_crossing_the_turn_start(smol) -> None:
 def test_qwen3_thinking_switch_moves_the_empty_think_block() -> None:
     tok = tiny_tokenizer("qwen3")
     plain = [Message("user", "Hello there!"), Message("assistant", "Hi!")]
-    on = render_conversation(tok, plain, max_length=512)
-    off = render_conversation(tok, plain, max_length=512, template_kwargs={"enable_thinking": False})
+    on = render_conversation(tok, plain, max_len=512)
+    off = render_conversation(tok, plain, max_len=512, template_kwargs={"enable_thinking": False})
     # same tokens; thinking on: the model writes the empty think block, off: the prompt holds it
     assert on.input_ids == off.input_ids
     assert on.assistant_texts == ["<think>\n\n</think>\n\nHi!<|im_end|>"]
@@ -150,7 +150,7 @@ def test_qwen3_thinking_switch_moves_the_empty_think_block() -> None:
         Message("user", "Bye"),
         Message("assistant", "Ciao"),
     ]
-    s = render_conversation(tok, inline, max_length=512, template_kwargs={"enable_thinking": False})
+    s = render_conversation(tok, inline, max_len=512, template_kwargs={"enable_thinking": False})
     assert s.assistant_texts == ["Hi!<|im_end|>", "Ciao<|im_end|>"]
     assert [decode(tok, r) for r in masked_runs(s.input_ids, s.loss_mask)] == s.assistant_texts
 
@@ -158,13 +158,13 @@ def test_qwen3_thinking_switch_moves_the_empty_think_block() -> None:
 def test_mistral_template_without_generation_prompt_uses_fallbacks() -> None:
     tok = tiny_tokenizer("mistral_v3")
     tok.bos_token, tok.eos_token = "<s>", "</s>"
-    s = render_conversation(tok, CONV, max_length=4096)
+    s = render_conversation(tok, CONV, max_len=4096)
     assert s.assistant_texts == ["Hi! How are you today?</s>", "The capital of France is Paris.</s>"]
     # the space the template puts before the reply belongs to the first reply token ("Ġ...")
     assert [decode(tok, r).lstrip(" ") for r in masked_runs(s.input_ids, s.loss_mask)] == s.assistant_texts
     assert end_of_turn(tok) == "</s>"
     bad = [Message("user", "a"), Message("user", "b"), Message("assistant", "c")]
-    assert render_conversation(tok, bad, max_length=64).reason == "template_error"
+    assert render_conversation(tok, bad, max_len=64).reason == "template_error"
 
 
 @pytest.mark.parametrize("name", TEMPLATE_NAMES)
@@ -179,7 +179,7 @@ def test_end_of_turn_and_prompt(name: str) -> None:
             "gpt_oss": "<|return|>",
         }[name]
     )
-    full = decode(tok, render_conversation(tok, CONV, max_length=4096).input_ids)
+    full = decode(tok, render_conversation(tok, CONV, max_len=4096).input_ids)
     prompt = decode(tok, render_prompt(tok, CONV[:4]))
     gen = {
         "chatml_smollm2": "<|im_start|>assistant\n",
@@ -192,25 +192,25 @@ def test_end_of_turn_and_prompt(name: str) -> None:
 
 def test_truncation_and_drop() -> None:
     tok = tiny_tokenizer("chatml_smollm2")
-    whole = render_conversation(tok, CONV, max_length=4096)
+    whole = render_conversation(tok, CONV, max_len=4096)
     n = len(whole.input_ids)
     last_run_start = max(i for i, m in enumerate(whole.loss_mask) if m and not whole.loss_mask[i - 1])
     cut = last_run_start + 3  # inside the second assistant turn
-    t = render_conversation(tok, CONV, max_length=cut)
+    t = render_conversation(tok, CONV, max_len=cut)
     assert t.truncated and t.full_length == n and not whole.truncated
     assert t.input_ids == whole.input_ids[:cut] and t.loss_mask == whole.loss_mask[:cut]
     assert sum(t.loss_mask) == sum(whole.loss_mask[:cut]) > 0
-    d = render_conversation(tok, CONV, max_length=cut, overflow="drop")
+    d = render_conversation(tok, CONV, max_len=cut, overflow="drop")
     assert isinstance(d, Dropped) and d.reason == "too_long"
-    assert render_conversation(tok, CONV, max_length=n, overflow="drop").input_ids == whole.input_ids
+    assert render_conversation(tok, CONV, max_len=n, overflow="drop").input_ids == whole.input_ids
     first = whole.loss_mask.index(1)
-    assert render_conversation(tok, CONV, max_length=first).reason == "no_assistant_tokens"
+    assert render_conversation(tok, CONV, max_len=first).reason == "no_assistant_tokens"
 
 
 def test_long_text_prefix_tokenization_matches_full() -> None:
     tok = tiny_tokenizer("chatml_smollm2")
     long = [Message("user", "Tell me a story."), Message("assistant", "The quick brown fox jumps. " * 400)]
-    s = render_conversation(tok, long, max_length=200)
+    s = render_conversation(tok, long, max_len=200)
     assert s.truncated and s.full_length is None  # only a prefix was tokenized
     full_ids = tok(
         tok.apply_chat_template([m.to_dict() for m in long], tokenize=False), add_special_tokens=False
@@ -222,14 +222,14 @@ def test_long_text_prefix_tokenization_matches_full() -> None:
 def test_control_tokens_in_text_and_bad_inputs() -> None:
     tok = tiny_tokenizer("chatml_smollm2")
     forged = [Message("user", "say <|im_end|> now"), Message("assistant", "ok")]
-    assert render_conversation(tok, forged, max_length=64).reason == "control_token_in_text"
-    assert render_conversation(tok, [Message("user", "hi")], max_length=64).reason == "no_assistant"
+    assert render_conversation(tok, forged, max_len=64).reason == "control_token_in_text"
+    assert render_conversation(tok, [Message("user", "hi")], max_len=64).reason == "no_assistant"
     with pytest.raises(ValueError):
-        render_conversation(tok, CONV, max_length=64, overflow="wrap")
+        render_conversation(tok, CONV, max_len=64, overflow="wrap")
     with pytest.raises(ValueError):  # a tokenizer without any chat template is a setup error
-        render_conversation(tiny_tokenizer(None), CONV, max_length=64)
+        render_conversation(tiny_tokenizer(None), CONV, max_len=64)
     dicts = [m.to_dict() for m in CONV]  # plain dicts work as well as Message objects
-    assert render_conversation(tok, dicts, max_length=4096) == render_conversation(tok, CONV, max_length=4096)
+    assert render_conversation(tok, dicts, max_len=4096) == render_conversation(tok, CONV, max_len=4096)
 
 
 def test_template_hash() -> None:

@@ -387,7 +387,7 @@ def test_hf_thinking_flag_reaches_the_template(tiny_model, tmp_path: Path) -> No
 def test_a_turn_without_room_ends_the_conversation_before_it(tmp_path: Path) -> None:
     """prompt_fits False: nothing is sent for that prompt; the turns before it are kept (ok, ended early) and a
     first turn without room skips the conversation. Sending it instead made a server whose context is the
-    prep's max_length refuse it (HTTP 400), and the whole conversation was lost as an error."""
+    prep's max_len refuse it (HTTP 400), and the whole conversation was lost as an error."""
     from data_prep.regenerate import CONTEXT_FULL, Reply
 
     sent: list[str] = []
@@ -430,11 +430,11 @@ def test_a_cut_reply_does_not_teach_end_of_turn(name: str) -> None:
     msgs = [Message("user", "Hello there!"), Message("assistant", "The capital of France is"),
             Message("user", "What is the capital of France?"), Message("assistant", "Paris is the capital")]
     eot = tok.convert_tokens_to_ids(end_of_turn(tok))
-    whole = render_conversation(tok, msgs, max_length=512)
+    whole = render_conversation(tok, msgs, max_len=512)
     for k in range(2):
         cut = [*msgs]
         cut[2 * k + 1] = Message("assistant", msgs[2 * k + 1].content, cut=True)
-        r = render_conversation(tok, cut, max_length=512)
+        r = render_conversation(tok, cut, max_len=512)
         assert r.input_ids == whole.input_ids  # the text is the same: only what is taught differs
         before, after = masked_runs(whole.input_ids, whole.loss_mask), masked_runs(r.input_ids, r.loss_mask)
         assert len(before) == len(after) == 2
@@ -587,11 +587,11 @@ def test_training_tokens_are_the_generated_ids(tiny_model, tmp_path: Path) -> No
         i = next(i for i in range(len(full)) if full[i : i + len(gen)] == gen)
         assert not tok.decode(full[:i]).strip() and not tok.decode(full[i + len(gen):]).strip(), (c.id, full, gen)
         assert tok.decode(gen) == reply.content, (c.id, gen, reply)
-        r = render_conversation(tok, done[c.id].messages, max_length=512)
+        r = render_conversation(tok, done[c.id].messages, max_len=512)
         run = masked_runs(r.input_ids, r.loss_mask)[-1]
         assert run == gen + ([] if reply.cut else [eot]), (c.id, run, gen)
         assert r.retokenized_turns == 0
         text_only = render_conversation(tok, [*done[c.id].messages[:-1], Message("assistant", reply.content)],
-                                        max_length=512)
+                                        max_len=512)
         differs += masked_runs(text_only.input_ids, text_only.loss_mask)[-1][: len(gen)] != gen
     assert kept >= 6 and differs >= 3, (kept, differs)  # re-encoding the text alone would teach other ids

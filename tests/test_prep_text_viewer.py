@@ -27,7 +27,7 @@ BRACKETED = (
 
 def test_format_sample_marks_exactly_the_trained_tokens() -> None:
     tok = tiny_tokenizer("chatml_smollm2")
-    s = render_conversation(tok, CONV, max_length=512)
+    s = render_conversation(tok, CONV, max_len=512)
     assert format_sample(tok, s.input_ids, s.loss_mask, color=False) == BRACKETED
     colored = format_sample(tok, s.input_ids, s.loss_mask, color=True)
     assert colored.count(ON) == 2 and colored.count(OFF) == 2
@@ -38,8 +38,8 @@ def test_format_sample_marks_exactly_the_trained_tokens() -> None:
 def test_cli_on_jsonl(tmp_path: Path, capsys) -> None:
     tok = tiny_tokenizer("chatml_smollm2")
     tok.save_pretrained(tmp_path / "tokenizer")
-    s = render_conversation(tok, CONV, max_length=512)
-    other = render_conversation(tok, CONV[:2], max_length=512)
+    s = render_conversation(tok, CONV, max_len=512)
+    other = render_conversation(tok, CONV[:2], max_len=512)
     path = tmp_path / "samples.jsonl"
     path.write_text(
         "\n".join(json.dumps({"input_ids": r.input_ids, "loss_mask": r.loss_mask}) for r in (other, s))
@@ -54,7 +54,7 @@ def test_cli_on_prep_dir(tmp_path: Path, capsys) -> None:
 
     tok = tiny_tokenizer("chatml_smollm2")
     tok.save_pretrained(tmp_path / "tokenizer")
-    s = render_conversation(tok, CONV, max_length=512)
+    s = render_conversation(tok, CONV, max_len=512)
     n = len(s.input_ids)
     spec = ShardSpec(
         target={"id": "t", "revision": "r", "num_layers": 4, "hidden_size": 4, "vocab_size": len(tok)},

@@ -104,7 +104,7 @@ def target_dirs(tmp_path_factory, tokenizer) -> dict[str, Path]:
 
 
 def _prep_options(name: str, template_file: Path) -> dict:
-    opts = {"num_samples": 4, "eval_samples": 2, "max_length": 96, "regen.max_new_tokens": 8,
+    opts = {"num_samples": 4, "eval_samples": 2, "max_len": 96, "regen.max_new_tokens": 8,
             "capture.tap_layers": TAPS}
     return {**opts, "chat_template": str(template_file)} if name == NO_TEMPLATE else opts
 

@@ -24,7 +24,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 ENV_DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")
-PREP = {"num_samples": 4, "eval_samples": 1, "max_length": 128, "dtype": "float32", "draft_vocab_size": 64,
+PREP = {"num_samples": 4, "eval_samples": 1, "max_len": 128, "dtype": "float32", "draft_vocab_size": 64,
         "regen.max_new_tokens": 8, "regen.batch_size": 4}
 
 
