@@ -4,7 +4,7 @@
 
 vLLM lives in its OWN virtual environment (it pins its own torch; `make engine-check` builds it). This
 starts `python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 with the target and
-`--speculative-config {"method": "eagle3", "model": <export>, "num_speculative_tokens": K}`, sends the
+`--speculative-config {"method": <the family table's vllm_method: eagle3>, "model": <export>, ...}`, sends the
 evaluation prompts greedily (token ids rendered with the target's chat template, as our evaluator does),
 reads the `vllm:spec_decode_*` counters from /metrics, and prints vLLM's mean acceptance length and
 per-position acceptance. Compare with `launch/eval.py decode.mode=chain decode.depth=K` on the same prompts.
@@ -146,26 +146,32 @@ def spec_counters(metrics_text: str) -> dict:
     return out
 
 
-def check_export(drafter: str, preset, tokenizer) -> None:
-    """Before vLLM starts: an export with non-finite weights, or one trained for another target, stops the check
-    with its reason (exit status 2, as launch/errors.py gives a user error), as our evaluator refuses it (eval/run.py)."""
+def check_export(drafter: str, preset, tokenizer) -> str:
+    """Before vLLM starts: an export with non-finite weights, of a family this check does not serve, or trained
+    for another target, stops the check with its reason (exit status 2, as launch/errors.py gives a user error),
+    as our evaluator refuses it (eval/run.py). Returns vLLM's speculative method for it (the family table's)."""
     from data_prep.targets import load_target_config
     from eval.target import target_fingerprint
-    from models.eagle3 import Eagle3Config
     from models.export import CONFIG_FILE, TARGET_KEY, ExportError, check_tap_layers, check_target
     from models.export import read_weights as read_export_weights
+    from models.registry import FAMILIES, family_of_export
 
     try:
         read_export_weights(Path(drafter))
         raw = json.loads((Path(drafter) / CONFIG_FILE).read_text())
+        fam = family_of_export(raw)
+        if fam.vllm_method is None:
+            served = [f.label for f in FAMILIES.values() if f.vllm_method]
+            raise ExportError(f"drafter {drafter} is a {fam.label} export; this vLLM check serves {served}")
         actual = target_fingerprint(load_target_config(preset), tokenizer, preset.name)
         check_target(raw.get(TARGET_KEY), actual, f"drafter {drafter}", f"target {preset.name}")
         # the layer ids vLLM will tap: in range for this target, and the ones the drafter was trained on
-        cfg = Eagle3Config.from_hf_dict(raw, target_num_layers=actual["num_layers"])
+        cfg = fam.config_cls.from_hf_dict(raw, target_num_layers=actual["num_layers"])
         check_tap_layers(raw.get(TARGET_KEY), cfg.tap_layers, f"drafter {drafter}")
-    except (ExportError, ValueError) as e:  # ValueError: a config.json vLLM's EAGLE-3 loader cannot take either
+    except (ExportError, ValueError) as e:  # ValueError: a config.json vLLM's loader cannot take either
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None  # the user-error status of every launcher (launch/errors.py)
+    return fam.vllm_method
 
 
 def main() -> None:
@@ -183,10 +189,10 @@ def main() -> None:
 
     preset = resolve_target(args.target)
     tokenizer = load_tokenizer(preset)
-    check_export(args.drafter, preset, tokenizer)
+    method = check_export(args.drafter, preset, tokenizer)
     records = load_prompts(args.prompts, limit=args.num_prompts)
     prompts = [render_prompt(tokenizer, r.messages(0, [])) for r in records]
-    spec = {"method": "eagle3", "model": str(Path(args.drafter).resolve()), "num_speculative_tokens": args.k}
+    spec = {"method": method, "model": str(Path(args.drafter).resolve()), "num_speculative_tokens": args.k}
     log = Path(args.out).with_suffix(".vllm.log") if args.out else None
     try:
         with vllm_server(args.vllm_python, model_path(preset), port=args.port, log_path=log,

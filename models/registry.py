@@ -49,6 +49,8 @@ class DrafterFamily:
     attn_backend: bool = True  # model.attn_backend chooses its attention (models/attention.py)
     options: str | None = None  # its own config sections, model.<options> and train.<options>
     block_drafting: bool = False  # drafts a fixed block per verify: decode.depth / topk / total_tokens unused
+    # vLLM's --speculative-config method for its exports, where eval/engine_check.py checks them; None: not checked
+    vllm_method: str | None = None
 
     def _load(self, name: str) -> ModuleType:
         return importlib.import_module(name)
@@ -104,7 +106,7 @@ FAMILIES: dict[str, DrafterFamily] = {
         "train.eagle3:Eagle3Objective", "eval.drafting:EagleDrafting",
         label="EAGLE-3",
         levers=("draft_vocab_size", "lm_head_init", "freeze_lm_head", "norm_init", "fc_norm", "norm_output"),
-        sequence_parallel=True, draft_vocab=True,
+        sequence_parallel=True, draft_vocab=True, vllm_method="eagle3",
     ),
     "eagle1": DrafterFamily(
         "eagle1", "models.eagle1", "Eagle1Config", "Eagle1Drafter",
