@@ -1,7 +1,7 @@
-"""Every command of the README's large-target recipes, checked as written against this project's own schemas, no
-weights loaded: the prep and training overrides compose and validate, tensor-parallel group sizes split the
-target's heads in the world the torchrun flags make, and the memory plans run from the presets' public configs.
-Nothing here needs a GPU; what it cannot check (that the GPUs run it) the README says."""
+"""Every command of the large-target recipes (docs/scaling.md), checked as written against this project's own
+schemas, no weights loaded: the prep and training overrides compose and validate, tensor-parallel group sizes split
+the target's heads in the world the torchrun flags make, and the memory plans run from the presets' public configs.
+Nothing here needs a GPU; what it cannot check (that the GPUs run it) docs/scaling.md says."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "docs" / "scaling.md"
 SECTION = "## Large targets"
 
 
 def recipe_commands() -> list[list[str]]:
-    """The commands of the fenced bash blocks of the README's large-target section (up to its next subsection),
+    """The commands of the fenced bash blocks of docs/scaling.md's large-target section (up to its next heading),
     continuation lines joined, comments and shell-only lines (exports, servers) kept out."""
-    text = (ROOT / "README.md").read_text()
+    text = RECIPES.read_text()
     start = text.index(SECTION)
     end = min(i for i in (text.find("\n## ", start + 1), text.find("\n### ", start + 1)) if i > 0)
     blocks = re.findall(r"```bash\n(.*?)```", text[start:end], flags=re.S)
