@@ -119,7 +119,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return {"A": a, "B": b, "C": c, "B22": b22, "B21": b21}
 
 
-# What the README claims for another world size: the same batches, counts and schedule; the sums over ranks
+# What docs/training.md claims for another world size: the same batches, counts and schedule; the sums over ranks
 # are added in another order, which moves the float32 losses by ~1e-7 relative (a rounding: 1.1e-7 measured
 # here) and the weights by up to ~1e-6.
 LOSS_RTOL, WEIGHT_ATOL = 1e-6, 1e-5

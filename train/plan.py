@@ -20,7 +20,7 @@ What it counts, per device (data-parallel rank), at the step's peak:
 Target and drafter configs come from the target's config (a preset, a directory with config.json or a hub
 id) and the family table (models/registry.py), instantiated on the meta device: parameter counts are exact.
 Activation widths are counted from the code's tensor shapes; bench/plan_check.py compares the total with
-measured peak memory (README "Memory plan").
+measured peak memory (docs/training.md, "Memory plan"; docs/results.md).
 """
 
 from __future__ import annotations
