@@ -25,7 +25,7 @@ DEMO_PREP_ARGS ?= max_len=1024
 DEMO_EVAL_ARGS ?= decode.mode=tree decode.temperature=0 decode.num_prompts=10 decode.max_new_tokens=128 \
 	decode.auto_total_tokens=true threads=2
 
-.PHONY: setup prep train plan export eval demo test lint engine-check regen-check capture-check bench-eval bench-decode bench-vllm bench-peer bench-step-peer specforge-venv clean gpu-check gpu-wheels
+.PHONY: setup prep train plan export eval demo test test-fast lint engine-check regen-check capture-check bench-eval bench-decode bench-vllm bench-peer bench-step-peer specforge-venv clean gpu-check gpu-wheels
 
 setup: $(STAMP)
 $(STAMP): pyproject.toml
@@ -63,8 +63,14 @@ demo: setup
 	$(MAKE) eval ARGS="$(DEMO_EVAL_ARGS)"
 	$(BIN)/python launch/demo_summary.py $(PREP_DIR) $(RUN_DIR)
 
+# Everything (CI's command); every test's duration goes to $(OUT)/test-durations.json (tests/README.md).
 test: setup
-	$(BIN)/pytest -q -x --durations=15 tests
+	$(BIN)/pytest -q -x --durations=15 --durations-file=$(OUT)/test-durations.json tests
+
+# The unit tier: no process started, no real model or prep, each test within ~2 s (tests marked `integration`
+# are left out; tests/README.md).
+test-fast: setup
+	$(BIN)/pytest -q -x -m "not integration" tests
 
 lint: setup
 	$(BIN)/ruff check .

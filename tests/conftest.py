@@ -14,6 +14,51 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+# Test tiers (tests/README.md). A test is `integration` when it spawns processes (torchrun, a launcher, a CLI),
+# runs DeepSpeed, loads the real embedded model or a real prep, or takes over ~2 s; everything else is the unit
+# tier that `make test-fast` runs (`-m "not integration"`). Modules and tests say so with
+# `pytest.mark.integration`; a test that requests one of these fixtures is marked here, so a new one cannot
+# slip into the unit tier.
+INTEGRATION_FIXTURES = frozenset({"smollm2_dir", "tiny_target_dir", "tiny_prep_dir", "smollm2_prep_dir"})
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--durations-file", default=None, metavar="PATH",
+                     help="write every test's duration (setup + call + teardown, seconds) to PATH as JSON")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+
+
+_DURATIONS: dict[str, dict] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    entry = _DURATIONS.setdefault(report.nodeid, {"seconds": 0.0, "outcome": "passed"})
+    entry["seconds"] += report.duration
+    if report.outcome == "failed" or (report.outcome == "skipped" and entry["outcome"] == "passed"):
+        entry["outcome"] = report.outcome
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """`--durations-file`: the run's per-test durations, slowest first, written atomically."""
+    path = session.config.getoption("--durations-file")
+    if not path or not _DURATIONS:
+        return
+    marked = {item.nodeid for item in session.items if item.get_closest_marker("integration")}
+    tests = [{"test": nodeid, "seconds": round(d["seconds"], 3), "outcome": d["outcome"],
+              "tier": "integration" if nodeid in marked else "unit"}
+             for nodeid, d in sorted(_DURATIONS.items(), key=lambda kv: -kv[1]["seconds"])]
+    totals = {tier: round(sum(t["seconds"] for t in tests if t["tier"] == tier), 1) for tier in ("unit", "integration")}
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps({"exit_status": int(exitstatus), "total_seconds": totals, "tests": tests}, indent=1))
+    os.replace(tmp, out)
+
 TINY_CONVERSATIONS = [
     {"id": f"c{i}", "conversations": [
         {"from": "system", "value": "You are terse."} if i % 3 == 0 else None,

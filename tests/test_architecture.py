@@ -134,3 +134,11 @@ def test_the_cycle_check_finds_a_cycle(tmp_path: Path) -> None:
     (tmp_path / "models" / "c.py").write_text("def f():\n    import models.a\n")
     (tmp_path / "train" / "d.py").write_text("from models.a import y\n")
     assert import_cycles(import_graph(tmp_path)) == [["models.a", "models.b", "models.c", "models.a"]]
+
+
+def test_test_modules_import_helpers_only_from_helper_modules() -> None:
+    """A test module takes what it shares from a helper module (tests/README.md), never from another test_*."""
+    tests = ROOT / "tests"
+    for f in sorted(tests.glob("*.py")):
+        borrowed = [n for n in imported_modules(f) if n.split(".")[0].startswith("test_")]
+        assert not borrowed, f"tests/{f.name} imports {borrowed[0]}: move it to a helper module"

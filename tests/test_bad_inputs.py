@@ -56,6 +56,7 @@ def write(root: Path, files: dict[str, bytes]) -> Path:
 # prep: unknown keys (Hydra's `+key=value` opens the struct flag)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("override", "hint"), [
     ("+max_lenght=64", "did you mean 'max_len'"),
     ("+regen.max_turn=2", "did you mean 'regen.max_turns'"),
@@ -68,6 +69,7 @@ def test_prep_rejects_an_appended_unknown_key(tmp_path: Path, override: str, hin
     assert not (out / "train").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("override", ["max_length=64", "+max_length=64"])
 def test_prep_refuses_a_renamed_key_naming_the_new_one(tmp_path: Path, override: str) -> None:
     """One name per concept (training's data.max_len): prep's old key stops before any work, naming the new."""
@@ -259,6 +261,7 @@ def test_training_names_a_bad_prep(tmp_path: Path, damage, message: str) -> None
         held_out_split(prep)
 
 
+@pytest.mark.integration
 def test_a_prep_without_held_out_split_trains_and_says_so_once(tmp_path: Path) -> None:
     from conftest import run_train
 

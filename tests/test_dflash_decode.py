@@ -89,6 +89,7 @@ def test_greedy_identical_random_drafter(pair) -> None:
             check_context_cache(dec, prompt, spec)
 
 
+@pytest.mark.integration
 def test_greedy_identical_with_long_accepted_paths(pair) -> None:
     runner, drafter = pair
     lengths: list[int] = []
@@ -106,6 +107,7 @@ def test_greedy_identical_with_long_accepted_paths(pair) -> None:
     assert 0 in lengths and sum(a >= 2 for a in lengths) >= 5, sorted(set(lengths))
 
 
+@pytest.mark.integration
 def test_greedy_stops_at_eos_inside_an_accepted_block(pair) -> None:
     runner, drafter = pair
     checked = 0
@@ -128,6 +130,7 @@ def test_tree_mode_is_refused(pair) -> None:
         SpeculativeDecoder(runner, drafter, SpecSettings(mode="tree"))
 
 
+@pytest.mark.integration
 def test_sampling_is_lossless() -> None:
     """Drafts drawn from q at the target temperature, min(1, p/q) acceptance: the outputs pass the same
     rank goodness-of-fit test as plain sampling (tests/tiny_models.py; test_eval_sampling_e2e.py shows that

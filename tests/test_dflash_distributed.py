@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from synthetic_prep import write_synthetic_prep
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = [
     "+exp=debug", "model=dflash", "model.tap_layers=[1,3,4]", "model.dflash.mask_token_id=255",

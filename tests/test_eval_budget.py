@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_eval_greedy import GREEDY, check_state
+from tiny_models import check_state
 
 from eval.budget import AdaptiveBudget, VerifyCost
+from eval.sampling import SamplingParams
 from eval.spec_decode import SpecSettings, SpeculativeDecoder, plain_generate
 from eval.target import TargetRunner
 from eval.tree import DraftTree, ancestor_matrix, keep_best
 
 torch.set_num_threads(1)
+
+GREEDY = SamplingParams()
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +76,7 @@ def test_choice_maximises_the_rate_rule() -> None:
     assert budget.overhead == 0.0 and budget.summary()["cycles"] == 1
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("settings", [SpecSettings(mode="chain", depth=4),
                                       SpecSettings(mode="tree", depth=4, topk=4, total_tokens=12)],
                          ids=["chain", "tree"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import check_state
 
 from eval.sampling import SamplingParams
 from eval.spec_decode import PHASES, SpecSettings, SpeculativeDecoder, plain_generate
@@ -43,31 +44,6 @@ def agreeing_pairs():
     return pairs
 
 
-def check_state(dec: SpeculativeDecoder, prompt: list[int], rec) -> None:
-    """Target cache = plain forward over the committed tokens; drafter cache = a fresh catch-up."""
-    runner, drafter = dec.target, dec.drafter
-    seq = prompt + rec.output_ids
-    kept = dec.target_cache.get_seq_length()
-    committed = min(kept, len(seq) - 1)  # beyond that the cache holds tokens past an EOS / budget cut
-    ref = runner.new_cache()
-    fresh = runner.forward(seq[:committed], ref)
-    for a, b in zip(dec.target_cache.layers, ref.layers):
-        torch.testing.assert_close(a.keys[..., :committed, :], b.keys, rtol=0, atol=1e-9)
-        torch.testing.assert_close(a.values[..., :committed, :], b.values, rtol=0, atol=1e-9)
-    if not rec.accept_lengths:
-        return
-    # the drafter holds positions 0..n-1 of the final step (then that step's drafted nodes)
-    n = kept - rec.accept_lengths[-1] - 1
-    from models.attention import DecodeCache
-
-    cache = DecodeCache()
-    taps = fresh.taps[:n].to(drafter.fc.weight.dtype)
-    drafter.forward_step(drafter.fuse(taps[None]), torch.tensor([seq[1:n + 1]]), torch.arange(n)[None], cache)
-    # the drafter's RMSNorm computes in float32, so chunked vs one-shot differs at float32 rounding
-    torch.testing.assert_close(dec.drafter_cache.k[:, :, :n], cache.k, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(dec.drafter_cache.v[:, :, :n], cache.v, rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: f"{s.mode}-d{s.depth}-k{s.topk}-m{s.total_tokens}")
 def test_greedy_identical_random_drafter(random_pair, settings: SpecSettings) -> None:
     runner, drafter = random_pair
@@ -83,6 +59,7 @@ def test_greedy_identical_random_drafter(random_pair, settings: SpecSettings) ->
             check_state(dec, prompt, spec)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("settings", [s for s in SETTINGS if s.depth >= 3], ids=lambda s: f"{s.mode}-d{s.depth}-k{s.topk}-m{s.total_tokens}")
 def test_greedy_identical_with_long_accepted_paths(agreeing_pairs, settings: SpecSettings) -> None:
     lengths: list[int] = []
@@ -116,6 +93,7 @@ def test_greedy_stops_at_eos_like_plain(random_pair) -> None:
         assert spec.output_ids == plain.output_ids and spec.stop_reason == "eos"
 
 
+@pytest.mark.integration
 def test_eos_inside_an_accepted_path(agreeing_pairs) -> None:
     """EOS accepted mid-path: the tokens after it in the same step are dropped."""
     checked = 0

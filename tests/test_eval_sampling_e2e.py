@@ -6,8 +6,9 @@ checks the ranks of the generated tokens under p_t against their exact expected 
 all positions of all sequences: every token of long multi-step generations is used, so a lossy step
 anywhere - acceptance ratio, residual, logits from the wrong tree node, a KV cache holding the wrong
 positions, the cut at EOS - shows up. Plain sampling must pass (the test's own check); every
-speculative mode must pass. test_eval_sampling_broken.py shows that broken rules FAIL the same test
-with the same number of sequences; test_eval_sampling_rule.py checks the rule alone with many draws.
+speculative mode must pass. The test has power: deliberately broken acceptance rules (the rule in eval.sampling
+swapped for a wrong one; the same statistic, sequence count and seeds) FAIL it. test_eval_sampling_rule.py
+checks the rule alone with many draws.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import pytest
 import torch
 from tiny_models import rank_goodness_of_fit
 
+from eval import sampling
 from eval.sampling import SamplingParams
 from eval.spec_decode import SpecSettings, SpeculativeDecoder, plain_generate
 from eval.target import TargetRunner
+
+pytestmark = pytest.mark.integration
 
 torch.set_num_threads(1)
 
@@ -81,3 +85,38 @@ def test_tree_sampling_with_eos_and_top_k_is_lossless(pair) -> None:
     assert all(len(o) == NEW or (o[-1] == EOS and EOS not in o[:-1]) for o in outs)
     assert sum(o[-1] == EOS for o in outs) > 30 and sum(len(o) for o in outs) > 400
     assert rank_goodness_of_fit(runner, PROMPT, outs, params) > ALPHA
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Broken acceptance rules fail the same test
+
+def _residual_without_subtracting(p, q, x):
+    return p  # after a rejection, resample from p: the rejected draft keeps its mass
+
+
+def _accept_all(p, q, x):
+    return 1.0
+
+
+def _ratio_without_q(p, q, x):
+    return float(p[x])  # forgets to divide by q(x): wrong whenever drafts are sampled
+
+
+BROKEN = {
+    "residual_without_subtracting": ("residual_distribution", _residual_without_subtracting),
+    "accept_all": ("acceptance_probability", _accept_all),
+    "ratio_without_q": ("acceptance_probability", _ratio_without_q),
+}
+
+
+@pytest.mark.parametrize(("mode", "broken"), [
+    ("tree", "residual_without_subtracting"),
+    ("chain", "residual_without_subtracting"),
+    ("tree", "accept_all"),
+    ("chain_sampled_drafts", "ratio_without_q"),
+])
+def test_broken_rule_fails(pair, monkeypatch, mode: str, broken: str) -> None:
+    runner, drafter = pair
+    monkeypatch.setattr(sampling, *BROKEN[broken])
+    recs = generate_many(runner, drafter, MODES[mode], seed=3)
+    assert rank_goodness_of_fit(runner, PROMPT, [r.output_ids for r in recs], PARAMS) < ALPHA

@@ -74,6 +74,7 @@ def _draw_chain_node(p: torch.Tensor, q: torch.Tensor, n: int, seed: int) -> lis
     return out
 
 
+@pytest.mark.integration
 def test_multi_candidate_rule_reproduces_p() -> None:
     p = _target_p(1)
     candidates = [int(i) for i in torch.argsort(p, descending=True)[[1, 0, 5]]]  # not in p's order
@@ -117,6 +118,7 @@ def test_broken_rules_fail_the_same_test_tree(monkeypatch, broken: str) -> None:
     assert chi2_pvalue(_draw_tree_node(p, candidates, N, seed=2), p) < ALPHA
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("broken", ["residual_without_subtracting", "ratio_without_q"])
 def test_broken_rules_fail_the_same_test_chain(monkeypatch, broken: str) -> None:
     if broken == "ratio_without_q":

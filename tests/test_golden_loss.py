@@ -1,5 +1,5 @@
 """A golden loss curve per family: a few optimizer steps of the real trainer (launch/train.py's code path,
-one process, ZeRO-3; test_train_distributed.py's COMMON: 4 steps, K = 3, held-out evals at 2 and 4) on a
+one process, ZeRO-3; tests/train_runs.py's COMMON: 4 steps, K = 3, held-out evals at 2 and 4) on a
 tiny seeded synthetic prep, the logged training losses and the last held-out loss and sim_tau pinned. Any
 change to what training computes (data order, objectives, normalisation, schedule, optimizer,
 initialisation) moves them; a change that should move them updates GOLDEN in the same commit, saying why.
@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 from synthetic_prep import write_synthetic_prep
-from test_train_distributed import records, train_in_one_process
+from train_runs import records, train_in_one_process
+
+pytestmark = pytest.mark.integration
 
 FAMILIES = {
     "eagle3": [],

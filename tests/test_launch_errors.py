@@ -70,6 +70,7 @@ def test_a_user_error_is_one_line_and_exit_2_a_bug_keeps_its_traceback(monkeypat
     assert e.value.code == USER_ERROR and capsys.readouterr().err == ""
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("script", "overrides", "message"), [
     ("prep.py", ["+max_lenght=64", "out={tmp}/prep"], "config error: unknown config key 'max_lenght'"),
     ("prep.py", ["max_lenght=64", "out={tmp}/prep"], "config error: Could not override 'max_lenght'"),
@@ -90,6 +91,7 @@ def test_every_launcher_reports_a_user_error_once(tmp_path: Path, script: str, o
     assert sum(message in line for line in lines) == 1, r.stderr
 
 
+@pytest.mark.integration
 def test_under_torchrun_rank_0_reports_the_error_once(tmp_path: Path) -> None:
     r = _launch("prep.py", f"model={tmp_path}", f"out={tmp_path / 'prep'}", nproc=2)  # no config.json there
     workers = _workers_output(r)
@@ -100,6 +102,7 @@ def test_under_torchrun_rank_0_reports_the_error_once(tmp_path: Path) -> None:
     assert f"exitcode  : {USER_ERROR}" in report, report  # torchrun names each worker's exit status
 
 
+@pytest.mark.integration
 def test_a_two_rank_run_warns_once(tmp_path: Path) -> None:
     prep = write_synthetic_prep(tmp_path / "prep", n_train=8, n_eval=4)
     r = _launch("train.py", "+exp=debug", f"data.dir={prep}", f"out_dir={tmp_path / 'run'}", "train.max_steps=2",

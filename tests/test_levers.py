@@ -132,6 +132,7 @@ def _env() -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "WANDB_MODE": "disabled"}
 
 
+@pytest.mark.integration
 def test_levers_train_checkpoint_and_export_under_zero3(tmp_path: Path) -> None:
     """A frozen target head (not in the optimizer) is still part of the checkpoint and the export, the
     variant flags reach the export, and a smaller draft vocabulary is cut from the prep's ranking."""

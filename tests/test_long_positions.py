@@ -73,6 +73,7 @@ def test_40k_preset_keeps_k_and_saves_memory() -> None:
     assert cfg.validate(world_size=8).data.batch_size == 8  # one sequence per rank on 8 GPUs
 
 
+@pytest.mark.integration
 def test_training_at_40k_exports_long_positions_and_the_target_rope(tmp_path: Path) -> None:
     """The 40K preset end to end on CPU (short synthetic samples, so the run is small)."""
     prep, out = _prep(tmp_path / "prep", LLAMA31), tmp_path / "run"

@@ -1,16 +1,21 @@
-"""Sequence parallelism (train/sequence_parallel.py): slices with their halo add up to the whole batch, and
-2 gloo processes with DeepSpeed Ulysses give the 1-process loss, metrics and gradients of the real drafter."""
+"""Sequence parallelism (train/sequence_parallel.py): slices with their halo add up to the whole batch,
+2 gloo processes with DeepSpeed Ulysses give the 1-process loss, metrics and gradients of the real drafter, and
+the trainer with deepspeed.sequence_parallel_size=2 follows its 1-process run."""
 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_ttt_drafter import tiny
+from synthetic_prep import write_synthetic_prep
+from tiny_ttt import tiny
+from train_runs import records, torchrun, train_in_one_process, weights
 from ttt_stubs import StubDrafter, StubHead, random_batch, vocab
 
 from train.config import ConfigError, RunConfig
@@ -168,7 +173,30 @@ def _sp_worker(rank: int, world: int, port: int) -> None:
         shutdown_distributed()
 
 
+@pytest.mark.integration
 def test_sequence_parallel_2_processes_match_1_process() -> None:
     """SP=2 over gloo (DeepSpeed Ulysses all-to-all around the TTT attention, GQA 4 q / 2 kv heads, T not a
     multiple of 2, K up to 7): loss, metric sums, eval counts and summed gradients equal one process's."""
     mp.spawn(_sp_worker, args=(2, _port()), nprocs=2, join=True)
+
+
+# The trainer with deepspeed.sequence_parallel_size=2 (2 gloo processes, ZeRO-3 really partitioned, DeepSpeed
+# Ulysses, the drafter layer checkpointed) follows the 1-process run: same losses, counts, eval and weights.
+@pytest.mark.integration
+def test_sequence_parallel_run_matches_one_process(tmp_path: Path) -> None:
+    prep = write_synthetic_prep(tmp_path / "prep", n_train=8, n_eval=4, min_len=12, max_len=40)
+    one, sp = tmp_path / "one", tmp_path / "sp"
+    # one sample per step: without sequence parallelism 2 ranks could not even split the batch
+    extra = ["train.stop_after_steps=2", "train.checkpoint_layer=true", "data.batch_size=1", "data.eval_batch_size=1"]
+    train_in_one_process(prep, [(one, extra)])
+    torchrun(sp, prep, *extra, "deepspeed.sequence_parallel_size=2")
+    a, b = records(one, "train"), records(sp, "train")
+    for step in (1, 2):
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5)
+        assert b[step]["n_valid_k"] == a[step]["n_valid_k"] and b[step]["tokens"] == a[step]["tokens"]
+    assert records(sp, "eval")[2]["sim_tau"] == pytest.approx(records(one, "eval")[2]["sim_tau"], rel=1e-6)
+    wa, wb = weights(one, 2), weights(sp, 2)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert (wa[key].float() - wb[key].float()).abs().max() < 1e-5, key
+    assert json.loads((sp / "summary.json").read_text())["sequence_parallel_size"] == 2

@@ -139,7 +139,7 @@ def test_gpu_backends_match_reference(backend, T, n_steps):
     assert _max_err(got, ref) < 5e-2
 
 
-@pytest.mark.slow  # compiling flex_attention for CPU takes ~30 s
+@pytest.mark.integration  # compiling flex_attention for CPU takes ~30 s
 def test_flex_forward_on_cpu_matches_reference():
     q, ks, vs = _inputs(1, 4, 2, 7, 16, 4)
     with torch.no_grad():

@@ -29,6 +29,8 @@ import torch
 from safetensors.torch import load_file
 from synthetic_prep import write_synthetic_prep
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = [
     "+exp=debug", "train.max_steps=4", "train.epochs=2", "train.ttt_steps=3", "train.chunk_size=8",

@@ -100,6 +100,7 @@ def test_a_shorter_sample_with_kept_teacher_targets_sets_the_peak(embedded) -> N
     assert p.at_context == pytest.approx(sum(components(target, drafter, p.settings)[0].values()))
 
 
+@pytest.mark.integration
 def test_module_does_not_import_deepspeed() -> None:
     code = "import sys, train.plan; assert 'deepspeed' not in sys.modules and 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
@@ -111,6 +112,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           env=env, timeout=300)
 
 
+@pytest.mark.integration
 def test_cli_plans_gpt_oss_120b_offline_from_its_preset() -> None:
     out = _cli("model=gpt-oss-120b", "world_size=8", "device_memory_gb=141", "+exp=eagle3_ttt_40k")
     assert out.returncode == 0, out.stderr[-2000:]
@@ -121,6 +123,7 @@ def test_cli_plans_gpt_oss_120b_offline_from_its_preset() -> None:
     assert "device memory 141 GiB: fits" in text and "longest context that fits:" in text
 
 
+@pytest.mark.integration
 def test_cli_rejects_an_unknown_target_and_a_bad_override() -> None:
     out = _cli("model=no-such-target")
     assert out.returncode != 0 and "plan error" in out.stderr and "no-such-target" in out.stderr

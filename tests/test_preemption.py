@@ -27,6 +27,8 @@ from synthetic_prep import write_synthetic_prep
 
 from data_prep.preemption import PREEMPTED
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 16
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # what torchrun forwards to its workers by default

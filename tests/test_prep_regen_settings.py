@@ -127,6 +127,7 @@ def test_an_unreachable_regeneration_server_stops_the_prep(tmp_path: Path, tiny_
     assert not (tmp_path / "p" / PREP_SUMMARY).exists()
 
 
+@pytest.mark.integration
 def test_an_api_key_in_the_config_is_refused_without_echoing_it(tmp_path: Path) -> None:
     secret = "sk-do-not-print-4242"
     out = tmp_path / "prep"
@@ -218,6 +219,7 @@ HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 '''
 
 
+@pytest.mark.integration
 def test_the_servers_we_start_take_a_key_of_their_own(tmp_path: Path, monkeypatch) -> None:
     """eval.engine_check.vllm_server (behind make regen-check, engine-check, the vLLM benches) starts its server with
     a random key in the server's environment, never on its command line, and our clients use it for the block.

@@ -106,12 +106,14 @@ def test_mask_is_exactly_the_rendered_assistant_turns_tiny_bpe(name: str) -> Non
     check_mask(tok, render_conversation(tok, CONV, max_len=4096), EXPECTED[name])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", TEMPLATE_NAMES)
 def test_mask_is_exactly_the_rendered_assistant_turns_smollm2(smol, name: str) -> None:
     tok = with_template(smol, name)
     check_mask(tok, render_conversation(tok, CONV, max_len=4096), EXPECTED[name])
 
 
+@pytest.mark.integration
 def test_smollm2_own_template_from_gguf(smol) -> None:
     tok = smol  # chat template as shipped in the GGUF
     sample = render_conversation(tok, CONV[1:], max_len=4096)  # no system: the template adds its own
@@ -122,6 +124,7 @@ def test_smollm2_own_template_from_gguf(smol) -> None:
     assert end_of_turn(tok) == "<|im_end|>"
 
 
+@pytest.mark.integration
 def test_token_crossing_the_turn_start(smol) -> None:
     """SmolLM2 merges the header's newline with leading spaces of the reply into one token: that
     token is trained (its part before the turn is whitespace), assistant_texts keeps the template's span."""

@@ -261,6 +261,7 @@ def test_split_by_count() -> None:
         split_conversations(convs, eval_fraction=0.1, eval_count=3)
 
 
+@pytest.mark.integration
 def test_embedded_sharegpt_truncated_file() -> None:
     convs, rep = load_conversations("sharegpt-embedded")
     # 17,671 complete records are recovered before the cut; the torn last one is reported

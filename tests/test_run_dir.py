@@ -78,6 +78,7 @@ def _snapshot(run: Path) -> dict[str, bytes]:
 # a fresh run in a used out_dir
 
 
+@pytest.mark.integration
 def test_fresh_run_in_a_used_out_dir_is_refused_and_changes_nothing(finished) -> None:
     prep, run = finished
     before = _snapshot(run)
@@ -88,6 +89,7 @@ def test_fresh_run_in_a_used_out_dir_is_refused_and_changes_nothing(finished) ->
     assert _snapshot(run) == before  # the old run's checkpoints, metrics and export are all still there
 
 
+@pytest.mark.integration
 def test_overwrite_clears_the_previous_run_first(finished, tmp_path: Path) -> None:
     prep, run = finished
     again = tmp_path / "again"
@@ -179,6 +181,7 @@ def test_step_dirs_without_a_pointer_are_not_guessed(tmp_path: Path) -> None:
 # resume with changed settings
 
 
+@pytest.mark.integration
 def test_resume_with_another_batch_size_is_refused_naming_the_key(finished, tmp_path: Path) -> None:
     prep, run = finished
     copy = tmp_path / "copy"
@@ -195,6 +198,7 @@ def _run_config(run: Path, *overrides: str) -> RunConfig:
     return RunConfig.from_omegaconf(raw)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("override", "named"), [
     ("train.seed=1", "train.seed: 0 -> 1"),
     ("train.max_steps=3", "train.max_steps: 2 -> 3"),
@@ -214,6 +218,7 @@ def test_a_sample_order_or_schedule_setting_may_not_change(finished, override: s
         check_resume(_run_config(run, override), state, latest)
 
 
+@pytest.mark.integration
 def test_intervals_and_world_size_may_change(finished) -> None:
     _, run = finished
     latest = checkpoint.resolve(run)
@@ -239,6 +244,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.integration
 def test_a_second_writer_is_refused_naming_the_holder_until_it_dies(tmp_path: Path) -> None:
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True,
                               cwd=ROOT, env=_env())
@@ -266,6 +272,7 @@ def test_a_filesystem_without_locks_warns_instead_of_refusing(tmp_path: Path, mo
         DirLock(tmp_path, "training").acquire().release()
 
 
+@pytest.mark.integration
 def test_a_second_torchrun_is_refused_before_any_training(tmp_path: Path) -> None:
     prep = write_synthetic_prep(tmp_path / "prep", n_train=8, n_eval=2, min_len=12, max_len=32)
     run = tmp_path / "run"
@@ -310,6 +317,7 @@ def _alive(pid: int) -> bool:
         return f.read().split(") ")[-1][0] != "Z"  # a zombie has ended
 
 
+@pytest.mark.integration
 def test_workers_end_when_their_torchrun_launcher_is_killed(tmp_path: Path) -> None:
     script, pids = tmp_path / "worker.py", tmp_path / "pids"
     script.write_text(WORKER)
@@ -356,6 +364,7 @@ def test_every_launch_script_imports_launch_paths_first() -> None:
 # make export
 
 
+@pytest.mark.integration
 def test_make_export_command_exports_the_latest_checkpoint(finished, tmp_path: Path) -> None:
     """The Makefile's own `export` recipe, RUN_DIR = the finished run, run as make would run it."""
     _, run = finished
@@ -373,6 +382,7 @@ def test_make_export_command_exports_the_latest_checkpoint(finished, tmp_path: P
     assert load_file(str(run / "export" / "model.safetensors")).keys() == exported.keys()
 
 
+@pytest.mark.integration
 def test_export_needs_no_optimizer_state(finished, tmp_path: Path) -> None:
     from train.export import export_checkpoint
 

@@ -106,6 +106,7 @@ def test_a_file_cannot_name_any_class_or_a_newer_format() -> None:
         HeadSpec.from_metadata({"format": str(FORMAT + 1)})
 
 
+@pytest.mark.integration
 def test_a_tied_head_is_stored_once_and_the_same_head_gives_the_same_bytes(tmp_path, gemma3) -> None:
     """Gemma ties its LM head to the embedding: one [V, H] table on disk, loaded back tied; the header is written
     in one key order, so two saves (two processes, as two identical preps) have one sha256."""

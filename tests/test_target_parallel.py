@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[1]
 ENV_DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")
 PREP = {"num_samples": 4, "eval_samples": 1, "max_len": 128, "dtype": "float32", "draft_vocab_size": 64,
@@ -147,12 +149,12 @@ def test_online_training_with_a_tensor_parallel_target_gives_the_replicated_loss
     """2 processes, fp32: the target split over both (one group of 2, each rank's samples gathered into one forward)
     against a whole copy per rank (one forward per sample). The features differ by the fp32 reduction order of the
     row-wise all-reduce and of the padded batch, so the losses agree to fp32 rounding, not bit for bit."""
-    from test_train_online import FOUR, _assert_close_curves, torchrun
+    from train_runs import FOUR, ONLINE_COMMON, assert_close_curves, torchrun
 
     online = ["data.source=online"]
-    torchrun(tmp_path / "replicate", tiny_prep_dir, *FOUR, *online)
-    torchrun(tmp_path / "tp", tiny_prep_dir, *FOUR, *online, "data.target_placement=tp")
-    _assert_close_curves(tmp_path / "tp", tmp_path / "replicate", rtol=1e-5)
+    torchrun(tmp_path / "replicate", tiny_prep_dir, *FOUR, *online, common=ONLINE_COMMON)
+    torchrun(tmp_path / "tp", tiny_prep_dir, *FOUR, *online, "data.target_placement=tp", common=ONLINE_COMMON)
+    assert_close_curves(tmp_path / "tp", tmp_path / "replicate", rtol=1e-5)
 
 
 def test_online_training_refuses_a_tensor_parallel_size_before_any_weight_loads(monkeypatch, tiny_prep_dir) -> None:
@@ -209,13 +211,13 @@ json.dump({"zero3_loads": len(calls), "partitioned": all(hasattr(p, "ds_id") for
 def test_zero3_target_is_partitioned_as_it_loads(tmp_path, tiny_prep_dir) -> None:
     """2 processes: transformers loads the checkpoint into ZeRO-3 partitioned parameters (its zero3 loader runs, each
     rank holds half of every tensor), drops its DeepSpeed config afterwards, and the features are a whole copy's."""
-    from test_train_distributed import _port
+    from train_runs import free_port
 
     from data_prep.rendered import RenderedSet
     from train.config import DataConfig
     from train.online import load_frozen_target
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "--no-python", sys.executable, "-c", ZERO3_WORKER, str(tiny_prep_dir), str(tmp_path)]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "train_step.py"
 
@@ -20,6 +24,7 @@ def load_bench():
     return mod
 
 
+@pytest.mark.integration
 def test_train_step_bench_tiny_deepspeed(tmp_path: Path) -> None:
     out = tmp_path / "train_step.json"
     cmd = [sys.executable, str(BENCH), "synthetic", "--geometry=tiny", "--seq-lens=24", "--warmup=1",

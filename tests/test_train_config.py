@@ -145,6 +145,7 @@ def test_validate_rejects_bad_values(override: str, message: str) -> None:
         cfg.validate(world_size=2)
 
 
+@pytest.mark.integration
 def test_entry_point_reports_config_errors_before_any_work(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, str(ROOT / "launch" / "train.py"), f"data.dir={tmp_path}", f"out_dir={tmp_path / 'o'}"]
@@ -171,6 +172,7 @@ LEVER_SETTINGS = {"draft_vocab_size": ["model.draft_vocab_size=4096"], "lm_head_
                   "norm_output": ["model.norm_output=true"]}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("method", ["eagle3", "eagle1", "dflash"])
 def test_the_family_table_decides_what_a_method_accepts(method: str) -> None:
     """Validation reads the family's facts (models/registry.py): its levers and sequence parallelism."""

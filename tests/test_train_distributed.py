@@ -7,7 +7,7 @@ Short CPU runs on a tiny synthetic prep dir, shared by the tests (module fixture
   B22  B killed right after its step-2 checkpoint, resumed with 2 processes  (2 -> 2: bit-identical to B)
   B21  the same, resumed with 1 process                         (2 -> 1: B up to the reduction order)
 The 1-process runs go through one Python process, one after another, as sweep jobs do (it saves the
-~10 s of torch/DeepSpeed imports per run).
+~10 s of torch/DeepSpeed imports per run; tests/train_runs.py).
 ZeRO-3 really partitions here (persistence threshold 0) and chunk_size=8 gives ranks different numbers
 of loss chunks, the case that needs the output head kept gathered (train/engine.py).
 """
@@ -15,91 +15,15 @@ of loss chunks, the case that needs the output head kept gathered (train/engine.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from synthetic_prep import write_synthetic_prep
+from train_runs import LOSS_RTOL, WEIGHT_ATOL, killed_after, records, torchrun, train_in_one_process, weights
 
-ROOT = Path(__file__).resolve().parents[1]
-COMMON = [
-    "+exp=debug", "train.max_steps=4", "train.epochs=2", "train.ttt_steps=3", "train.chunk_size=8",
-    "data.batch_size=4", "data.eval_batch_size=2", "data.eval_max_samples=4", "train.eval_interval=2",
-    "train.save_interval=2", "train.keep_checkpoints=5", "train.export=false", "train.warmup_steps=1",
-    "deepspeed.zero_stage=3", "deepspeed.stage3_param_persistence_threshold=0",
-]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-# Several 1-process runs in ONE process, in order (the in-process multi-job path a sweep uses).
-DRIVER = """
-import json, sys
-from hydra import compose, initialize_config_dir
-from train.config import RunConfig, register_configs
-from train.trainer import run
-register_configs()
-with initialize_config_dir(sys.argv[1], version_base="1.3"):
-    for overrides in json.loads(sys.argv[2]):
-        cfg = RunConfig.from_omegaconf(compose("train", overrides=overrides)).validate(1)
-        run(cfg, cfg.out_dir)
-"""
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", WANDB_MODE="disabled")
-    return env
-
-
-def _check(r: subprocess.CompletedProcess, what: str) -> None:
-    assert r.returncode == 0, f"{what}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-
-
-def torchrun(out: Path, prep: Path, *overrides: str, nproc: int = 2) -> None:
-    script = [str(ROOT / "launch" / "train.py"), *COMMON, f"data.dir={prep}", f"out_dir={out}", *overrides]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                "--master_port", str(_port())]
-    r = subprocess.run([*launcher, *script], capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
-    _check(r, " ".join(script))
-
-
-def train_in_one_process(prep: Path, jobs: list[tuple[Path, list[str]]]) -> None:
-    overrides = [[*COMMON, f"data.dir={prep}", f"out_dir={out}", *extra] for out, extra in jobs]
-    cmd = [sys.executable, "-c", DRIVER, str(ROOT / "conf"), json.dumps(overrides)]
-    _check(subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT), str(overrides))
-
-
-def records(run: Path, kind: str) -> dict[int, dict]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    out = {r["step"]: r for r in rows if r["kind"] == kind}
-    assert len(out) == len([r for r in rows if r["kind"] == kind]), "a step logged twice"
-    return out
-
-
-def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(str(run / "checkpoints" / f"step_{step:06d}" / "model.safetensors"))
-
-
-def killed_after(run: Path, step: int, copy: Path) -> Path:
-    """A copy of `run` as a kill right after its checkpoint `step` leaves it (its later records are kept in
-    metrics.jsonl; a resume drops them)."""
-    shutil.copytree(run, copy)
-    for later in (copy / "checkpoints").glob("step_*"):
-        if int(later.name.removeprefix("step_")) > step:
-            shutil.rmtree(later)
-    (copy / "checkpoints" / "latest").write_text(f"step_{step:06d}\n")
-    return copy
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
@@ -117,12 +41,6 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         (b21, ["train.resume=true"]),
     ])
     return {"A": a, "B": b, "C": c, "B22": b22, "B21": b21}
-
-
-# What docs/training.md claims for another world size: the same batches, counts and schedule; the sums over ranks
-# are added in another order, which moves the float32 losses by ~1e-7 relative (a rounding: 1.1e-7 measured
-# here) and the weights by up to ~1e-6.
-LOSS_RTOL, WEIGHT_ATOL = 1e-6, 1e-5
 
 
 def assert_same_up_to_reduction_order(run: Path, ref: Path, steps: list[int]) -> None:

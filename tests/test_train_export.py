@@ -17,6 +17,8 @@ from synthetic_prep import write_synthetic_prep
 from models.eagle3 import export_keys, load_export
 from models.target_head import EMBED_KEY
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -9,7 +9,7 @@ sample by sample as online training captures):
       offline;
   (d) hybrid: the shards epoch 0 writes hold prep's samples, epoch 1 reads them (the curve stays the online
       one), and a hybrid run killed mid-epoch and resumed writes every sample once and the same curve.
-The 1-process runs share one Python process (test_train_distributed's driver); checks of what must fail before
+The 1-process runs share one Python process (tests/train_runs.py's driver); checks of what must fail before
 training starts run in-process.
 """
 
@@ -17,40 +17,31 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_train_distributed import DRIVER, ROOT, _check, _env, _port, records, weights
+from train_runs import (
+    FOUR,
+    LOSS_RTOL,
+    ONLINE_COMMON,
+    WEIGHT_ATOL,
+    assert_close_curves,
+    killed_after,
+    records,
+    torchrun,
+    train_in_one_process,
+    weights,
+)
 
 from data_prep.rendered import RENDERED_DIR, SPEC_FILE, RenderedSet
 from data_prep.shards import ShardError, ShardSet
 from train.config import DataConfig, RunConfig, TrainConfig
 from train.data import ShardBatches
 
-COMMON = [
-    "+exp=debug", "train.ttt_steps=3", "train.chunk_size=8", "data.batch_size=2", "data.eval_batch_size=2",
-    "data.eval_max_samples=2", "train.eval_interval=2", "train.save_interval=2", "train.keep_checkpoints=10",
-    "train.export=false", "train.warmup_steps=1", "deepspeed.zero_stage=3",
-    "deepspeed.stage3_param_persistence_threshold=0", "deepspeed.precision=fp32", "data.max_len=1024",
-]
-FOUR = ["train.max_steps=4", "train.epochs=2"]  # 5 global batches per epoch: 4 steps stay in epoch 0
+pytestmark = pytest.mark.integration
+
 SEVEN = ["train.max_steps=7", "train.epochs=2"]  # into epoch 1: hybrid reads its shards there
-
-
-def jobs_in_one_process(prep: Path, jobs: list[tuple[Path, list[str]]]) -> None:
-    overrides = [[*COMMON, f"data.dir={prep}", f"out_dir={out}", *extra] for out, extra in jobs]
-    cmd = [sys.executable, "-c", DRIVER, str(ROOT / "conf"), json.dumps(overrides)]
-    _check(subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT), str(overrides))
-
-
-def torchrun(out: Path, prep: Path, *extra: str) -> None:
-    script = [str(ROOT / "launch" / "train.py"), *COMMON, f"data.dir={prep}", f"out_dir={out}", *extra]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port())]
-    _check(subprocess.run([*launcher, *script], capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT),
-           " ".join(script))
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +62,7 @@ def runs(tmp_path_factory, prep: Path) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("online")
     r = {k: base / k for k in ("offline", "online", "stopped", "online7", "hybrid", "hybrid_stopped", "two")}
     online, hybrid = ["data.source=online"], ["data.source=hybrid", "data.hybrid_tokens_per_shard=200"]
-    jobs_in_one_process(prep, [
+    train_in_one_process(prep, common=ONLINE_COMMON, jobs=[
         (r["offline"], FOUR),
         (r["online"], [*FOUR, *online]),
         (r["stopped"], [*FOUR, *online, "train.stop_after_steps=2"]),
@@ -81,9 +72,9 @@ def runs(tmp_path_factory, prep: Path) -> dict[str, Path]:
         (r["hybrid_stopped"], [*SEVEN, *hybrid, "train.stop_after_steps=3"]),
     ])
     r["hybrid_killed"] = killed_hybrid(r["hybrid_stopped"], 2, base / "hybrid_killed")
-    jobs_in_one_process(prep, [(r["hybrid_killed"], [*SEVEN, *hybrid, "train.resume=true"])])
+    train_in_one_process(prep, [(r["hybrid_killed"], [*SEVEN, *hybrid, "train.resume=true"])], common=ONLINE_COMMON)
     # 2 processes with the target partitioned by ZeRO-3 (a whole copy per rank measured bit-identical to it)
-    torchrun(r["two"], prep, *FOUR, *online, "data.target_placement=zero3")
+    torchrun(r["two"], prep, *FOUR, *online, "data.target_placement=zero3", common=ONLINE_COMMON)
     return r
 
 
@@ -91,8 +82,6 @@ def killed_hybrid(run: Path, step: int, copy: Path) -> Path:
     """A copy of hybrid `run` (stopped at step 3) as a kill leaves it after its step-`step` checkpoint, while its
     last shard was renamed into place but not yet recorded: a resume replays the batches after `step` (whose
     recorded samples are not written again) and captures that shard's samples anew."""
-    from test_train_distributed import killed_after
-
     killed_after(run, step, copy)
     partial = copy / "captured" / "train" / "manifest.r0.json"
     manifest = json.loads(partial.read_text())
@@ -103,14 +92,6 @@ def killed_hybrid(run: Path, step: int, copy: Path) -> Path:
 
 def _curve(run: Path) -> dict[int, tuple]:
     return {s: (x["loss"], x["lr"], x["acc_k"], x["n_valid_k"]) for s, x in records(run, "train").items()}
-
-
-def _assert_close_curves(run: Path, ref: Path, rtol: float) -> None:
-    r, x = records(run, "train"), records(ref, "train")
-    assert sorted(r) == sorted(x)
-    for step in r:
-        assert r[step]["n_valid_k"] == x[step]["n_valid_k"] and r[step]["lr"] == x[step]["lr"], step  # same batch
-        assert r[step]["loss"] == pytest.approx(x[step]["loss"], rel=rtol, abs=0), step
 
 
 def _config(prep: Path, source: str) -> RunConfig:
@@ -193,9 +174,7 @@ def test_two_processes_match_one_process_online(runs) -> None:
     """(c) Batches are world-size free online as offline: 2 ranks, each capturing its part with the target's weights
     partitioned over them (data.target_placement=zero3), match 1 process holding a whole copy, up to the order in
     which the sums over ranks are added (test_train_distributed's bounds)."""
-    from test_train_distributed import LOSS_RTOL, WEIGHT_ATOL
-
-    _assert_close_curves(runs["two"], runs["online"], rtol=LOSS_RTOL)
+    assert_close_curves(runs["two"], runs["online"], rtol=LOSS_RTOL)
     for step in (2, 4):
         a, b = weights(runs["two"], step), weights(runs["online"], step)
         assert a.keys() == b.keys()

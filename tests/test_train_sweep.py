@@ -25,6 +25,7 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.integration
 def test_two_by_one_sweep_under_torchrun_writes_summary(tmp_path: Path) -> None:
     prep = write_synthetic_prep(tmp_path / "prep", n_train=8, n_eval=4, min_len=12, max_len=32)
     out = tmp_path / "sweep"

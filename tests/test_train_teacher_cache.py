@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from synthetic_prep import write_synthetic_prep
-from test_train_distributed import records, train_in_one_process, weights
-from test_ttt_drafter import H as H_TINY
-from test_ttt_drafter import V as V_TINY
-from test_ttt_drafter import tiny, trainable
+from tiny_ttt import H as H_TINY
+from tiny_ttt import V as V_TINY
+from tiny_ttt import tiny, trainable
+from train_runs import records, train_in_one_process, weights
 from ttt_stubs import random_batch
 
 from train.teacher_cache import TeacherCache
@@ -83,6 +83,7 @@ def cached_runs(tmp_path_factory) -> dict[str, Path]:
     return {"off": base / "off", "on": base / "on", "resumed": base / "resumed"}
 
 
+@pytest.mark.integration
 def test_a_run_with_the_cache_trains_as_without_it(cached_runs) -> None:
     off, on = records(cached_runs["off"], "train"), records(cached_runs["on"], "train")
     assert sorted(off) == sorted(on) == list(range(1, 9))
@@ -91,6 +92,7 @@ def test_a_run_with_the_cache_trains_as_without_it(cached_runs) -> None:
         assert on[step]["loss"] == pytest.approx(off[step]["loss"], rel=1e-5), step
 
 
+@pytest.mark.integration
 def test_resuming_with_the_cache_is_bit_identical(cached_runs) -> None:
     r, x = records(cached_runs["resumed"], "train"), records(cached_runs["on"], "train")
     assert sorted(r) == sorted(x) == list(range(1, 9))

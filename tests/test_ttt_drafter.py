@@ -4,48 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ttt_stubs import random_batch, vocab
+from tiny_ttt import H, V, loss_and_grads, tiny, trainable
+from ttt_stubs import random_batch
 
-from models.eagle3 import Eagle3Config, Eagle3Drafter
-from models.target_head import TargetHead
 from train.ttt import TTTSettings, evaluate, ttt_loss, unroll
-
-V, VD, H = 96, 40, 32
-
-
-def tiny(backend: str = "auto", seed: int = 0):
-    cfg = Eagle3Config(
-        hidden_size=H,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=64,
-        vocab_size=V,
-        draft_vocab_size=VD,
-        tap_layers=[1, 2, 3],
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(seed)
-    drafter = Eagle3Drafter(cfg, attn_backend=backend)
-    drafter.load_target_embedding(torch.randn(V, H))
-    gen = torch.Generator().manual_seed(seed)
-    drafter.set_vocab_mapping(*vocab(V, VD, gen))
-    head = TargetHead(H, V, 1e-6)
-    with torch.no_grad():
-        head.lm_head.weight.normal_(0, 1, generator=gen)
-        head.lm_head.weight[drafter.t2d] *= 2  # most target argmaxes in the draft vocab
-    return drafter, head
-
-
-def trainable(drafter):
-    return [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
-
-
-def loss_and_grads(drafter, head, batch, settings, normalizer=None):
-    drafter.zero_grad(set_to_none=True)
-    loss, metrics = ttt_loss(drafter, head, batch, settings, normalizer)
-    loss.backward()
-    return loss.detach(), metrics, {n: p.grad.clone() for n, p in trainable(drafter)}
 
 
 @pytest.mark.parametrize("backend", ["fused", "chunked"])
@@ -144,3 +106,20 @@ def test_batch_without_targets_gives_zero_loss_and_zero_grads_everywhere():
     assert float(loss) == 0.0 and m["n_valid_k"].tolist() == [0, 0, 0]
     assert set(grads) == {n for n, _ in trainable(drafter)}
     assert all(float(g.abs().sum()) == 0.0 for g in grads.values())
+
+
+# The long-context memory savings change nothing: the drafter layer checkpointed per TTT step (recomputed in
+# backward) gives bit-identical loss, metrics and gradients. (Chunked = unchunked loss: test_ttt_loss.py.)
+@pytest.mark.parametrize("backend,fused_head", [("fused", True), ("chunked", False), ("reference", True)])
+def test_checkpointed_layer_gives_identical_loss_and_grads(backend: str, fused_head: bool) -> None:
+    drafter, head = tiny(backend)
+    batch = random_batch("hidden", [29, 18], V, H, seed=11)
+    plain = TTTSettings(steps=7, chunk_size=16, fused_head=fused_head)
+    ckpt = TTTSettings(steps=7, chunk_size=16, fused_head=fused_head, checkpoint_layer=True)
+    loss, m, grads = loss_and_grads(drafter, head, batch, plain)
+    loss_c, m_c, grads_c = loss_and_grads(drafter, head, batch, ckpt)
+    assert torch.equal(loss, loss_c)
+    assert all(torch.equal(m[k], m_c[k]) for k in ("ce_sum", "acc_sum", "min_pq_sum", "n_valid_k"))
+    assert grads.keys() == grads_c.keys() and len(grads) >= 10
+    for name, g in grads.items():
+        assert torch.equal(g, grads_c[name]), name

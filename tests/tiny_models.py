@@ -4,7 +4,8 @@
 rare: good for exactness, weak for long accepted paths). `permutation_pair` builds a target whose
 next token is mostly a fixed permutation π of the current one, plus a drafter constructed (not trained)
 to predict π of its input feature at every depth, so long draft paths are accepted and sometimes
-rejected, exercising multi-token acceptance and the KV bookkeeping after it.
+rejected, exercising multi-token acceptance and the KV bookkeeping after it. `rank_goodness_of_fit` tests
+sampled outputs against the target's distribution; `check_state` checks a decoder's KV caches after a generation.
 """
 
 from __future__ import annotations
@@ -199,3 +200,29 @@ def rank_goodness_of_fit(target_runner, prompt: list[int], outputs: list[list[in
     c = (merge @ cov @ merge.T)[:-1, :-1]
     stat = float(d @ torch.linalg.solve(c, d))
     return float(stats.chi2.sf(stat, k - 1))
+
+
+def check_state(dec, prompt: list[int], rec) -> None:
+    """After `dec` (an eval.spec_decode.SpeculativeDecoder) generated `rec` from `prompt`: its target cache is a
+    plain forward over the committed tokens, its drafter cache a fresh catch-up."""
+    runner, drafter = dec.target, dec.drafter
+    seq = prompt + rec.output_ids
+    kept = dec.target_cache.get_seq_length()
+    committed = min(kept, len(seq) - 1)  # beyond that the cache holds tokens past an EOS / budget cut
+    ref = runner.new_cache()
+    fresh = runner.forward(seq[:committed], ref)
+    for a, b in zip(dec.target_cache.layers, ref.layers):
+        torch.testing.assert_close(a.keys[..., :committed, :], b.keys, rtol=0, atol=1e-9)
+        torch.testing.assert_close(a.values[..., :committed, :], b.values, rtol=0, atol=1e-9)
+    if not rec.accept_lengths:
+        return
+    # the drafter holds positions 0..n-1 of the final step (then that step's drafted nodes)
+    n = kept - rec.accept_lengths[-1] - 1
+    from models.attention import DecodeCache
+
+    cache = DecodeCache()
+    taps = fresh.taps[:n].to(drafter.fc.weight.dtype)
+    drafter.forward_step(drafter.fuse(taps[None]), torch.tensor([seq[1:n + 1]]), torch.arange(n)[None], cache)
+    # the drafter's RMSNorm computes in float32, so chunked vs one-shot differs at float32 rounding
+    torch.testing.assert_close(dec.drafter_cache.k[:, :, :n], cache.k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dec.drafter_cache.v[:, :, :n], cache.v, rtol=1e-5, atol=1e-5)
