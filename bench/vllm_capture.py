@@ -10,7 +10,10 @@ bench/results/vllm_capture.json (+ .png):
 - per tap and for the teacher: max abs difference, and max relative difference (max abs difference over the
   largest magnitude of the HF side: SmolLM2 carries activations of ~2e4 in a few channels);
 - argmax agreement of the logits the prep's target head (models/target_head.py) recomputes from each teacher;
-- prep's engine fidelity check (data_prep/fidelity.py check_engine_fidelity) on the first two samples;
+- prep's fidelity checks on the first two samples: check_engine_fidelity (against the transformers forward,
+  capture.vllm.fidelity=hf) and check_engine_head (the head on vLLM's teacher against vLLM's own top-1 at every
+  position, from its prompt logprobs: the default, without a transformers target), and over every sample the
+  share whose last position's head argmax is the token vLLM chose (`next_token_agreement`);
 - throughput, tokens/s: HF capture (forward + hooks), vLLM capture (wall time from the engine's start-up end to
   the last file read back, i.e. engine + file round trip), vLLM engine alone (its generate calls); vLLM's
   start-up (engine and model load, enforce_eager) reported separately. Both on `--threads` cores (vLLM binds
@@ -20,7 +23,6 @@ bench/results/vllm_capture.json (+ .png):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -28,11 +30,14 @@ from pathlib import Path
 
 import torch
 
+from data_prep.strict_json import dumps
+
 RESULTS = Path(__file__).resolve().parent / "results"
+PROBE = 2  # samples checked as prep checks its probe batch
 TARGET = "smollm2-135m-instruct"
 
 
-def rendered_samples(num: int = 40, max_length: int = 1024, data: str = "sharegpt-embedded") -> list:
+def rendered_samples(num: int = 40, max_len: int = 1024, data: str = "sharegpt-embedded") -> list:
     """The first `num` conversations of `data` that render under the target's chat template (their own replies)."""
     from data_prep.chat import Dropped, render_conversation
     from data_prep.conversations import load_conversations
@@ -43,7 +48,7 @@ def rendered_samples(num: int = 40, max_length: int = 1024, data: str = "sharegp
     convs, _ = load_conversations(data, max_records=num * 3)
     out = []
     for c in convs:
-        r = render_conversation(tok, c.messages, max_len=max_length)
+        r = render_conversation(tok, c.messages, max_len=max_len)
         if not isinstance(r, Dropped):
             out.append(Rendered(c.id, torch.tensor(r.input_ids), torch.tensor(r.loss_mask, dtype=torch.bool)))
         if len(out) == num:
@@ -68,18 +73,20 @@ def _hf_capture(model, head, tap_layers, samples, batch_tokens: int = 8192) -> t
     return got, seconds
 
 
-def _vllm_capture(python: str, preset, tap_layers, samples, work_dir: Path, max_length: int) -> tuple[dict, dict]:
+def _vllm_capture(python: str, preset, tap_layers, samples, work_dir: Path, max_len: int) -> tuple[dict, dict]:
     from data_prep.targets import model_path
     from data_prep.vllm_capture import VLLMJob, stream_features
 
-    job = VLLMJob(python=python, model=model_path(preset), dtype="float32", max_model_len=max_length + 1,
+    job = VLLMJob(python=python, model=model_path(preset), dtype="float32", max_model_len=max_len + 1,
                   tap_layers=tap_layers, num_layers=preset.num_layers, hidden_size=preset.hidden_size,
                   work_dir=work_dir / "vllm", engine_kwargs={"enforce_eager": True},
                   log_path=work_dir / "vllm_capture.log")
     got = {}
     start = time.perf_counter()
-    for key, taps, final in stream_features(job, [(s.conversation_id, s.input_ids) for s in samples]):
-        got[key] = (taps, final)
+    probe = frozenset(s.conversation_id for s in samples[:PROBE])  # vLLM's top-1 at every position of these
+    for key, taps, final, engine in stream_features(job, [(s.conversation_id, s.input_ids) for s in samples],
+                                                    logprobs=probe):
+        got[key] = (taps, final, engine)
     wall = time.perf_counter() - start
     return got, {"wall_s": wall, **job.stats}
 
@@ -93,9 +100,9 @@ def _diff(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> dict:
 
 
 @torch.no_grad()
-def compare(samples: list, python: str, work_dir: Path, max_length: int = 1024) -> dict:
+def compare(samples: list, python: str, work_dir: Path, max_len: int = 1024) -> dict:
     """Both captures of `samples` and every difference (module docstring); the result dict the JSON holds."""
-    from data_prep.fidelity import check_engine_fidelity
+    from data_prep.fidelity import check_engine_fidelity, check_engine_head
     from data_prep.targets import load_target, resolve_target
     from models.target_head import TargetHead
 
@@ -104,7 +111,7 @@ def compare(samples: list, python: str, work_dir: Path, max_length: int = 1024) 
     model, _ = load_target(preset, "float32", "cpu")
     head = TargetHead.from_hf_model(model)
     hf, hf_s = _hf_capture(model, head, tap_layers, samples)
-    vl, vl_stats = _vllm_capture(python, preset, tap_layers, samples, work_dir, max_length)
+    vl, vl_stats = _vllm_capture(python, preset, tap_layers, samples, work_dir, max_len)
     ids = [s.conversation_id for s in samples]
     hidden = preset.hidden_size
     taps = {}
@@ -117,15 +124,19 @@ def compare(samples: list, python: str, work_dir: Path, max_length: int = 1024) 
         a, b = head.logits(vl[i][1]).argmax(-1), head.logits(hf[i][1]).argmax(-1)
         same += int((a == b).sum())
         total += a.numel()
-    fidelity = check_engine_fidelity(model, head, tap_layers, [s.input_ids for s in samples[:2]],
-                                     [vl[i][0] for i in ids[:2]], [vl[i][1] for i in ids[:2]])
+    probe = ids[:PROBE]
+    fidelity = check_engine_fidelity(model, head, tap_layers, [s.input_ids for s in samples[:PROBE]],
+                                     [vl[i][0] for i in probe], [vl[i][1] for i in probe])
+    engine_head = check_engine_head(head, [s.input_ids for s in samples[:PROBE]], [vl[i][1] for i in probe],
+                                    [vl[i][2] for i in probe])
+    next_token = sum(int(head.logits(vl[i][1][-1:]).argmax(-1)[0]) == vl[i][2]["next_token"] for i in ids)
     tokens = sum(len(s.input_ids) for s in samples)
     capture_s = vl_stats["wall_s"] - vl_stats.get("startup_s", 0.0)
     return {
         "target": TARGET, "dtype": "float32", "samples": len(samples), "tokens": tokens,
         "tap_layers": tap_layers, "vllm": vl_stats.get("vllm"),
         "taps": taps, "teacher": teacher, "argmax_agreement": same / total, "argmax_positions": total,
-        "fidelity": fidelity,
+        "fidelity": fidelity, "engine_head_check": engine_head, "next_token_agreement": next_token / len(ids),
         "throughput_tokens_per_s": {"hf": tokens / hf_s, "vllm": tokens / capture_s,
                                     "vllm_engine_only": tokens / vl_stats["capture_s"]},
         "seconds": {"hf_capture": hf_s, "vllm_capture": capture_s, "vllm_engine": vl_stats["capture_s"],
@@ -161,21 +172,21 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vllm-python", required=True)
     p.add_argument("--samples", type=int, default=40)
-    p.add_argument("--max-length", type=int, default=1024)
+    p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(RESULTS / "vllm_capture.json"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    samples = rendered_samples(args.samples, args.max_length)
+    samples = rendered_samples(args.samples, args.max_len)
     with tempfile.TemporaryDirectory(prefix="vllm_capture.") as tmp:
-        result = compare(samples, args.vllm_python, Path(tmp), args.max_length)
+        result = compare(samples, args.vllm_python, Path(tmp), args.max_len)
     result["threads"] = args.threads
     result["load_average_1min_at_end"] = os.getloadavg()[0]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    out.write_text(dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
-    print(json.dumps({k: result[k] for k in ("taps", "teacher", "argmax_agreement", "throughput_tokens_per_s",
+    print(dumps({k: result[k] for k in ("taps", "teacher", "argmax_agreement", "throughput_tokens_per_s",
                                              "seconds", "vllm_over_hf")}, indent=1))
 
 

@@ -66,6 +66,11 @@ class VLLMCaptureConfig:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     max_pending_files: int = 64  # captured files the engine may be ahead of the shard writer (disk use)
     chunk_tokens: int = 65536  # prompt tokens per vLLM generate call
+    # What the probe batch's vLLM capture is checked against before any sample is written. engine: the prep's
+    # target head on vLLM's teacher reproduces vLLM's own next-token choice at every probe position (its prompt
+    # logprobs), and no transformers copy of the target loads (a target larger than one device stays in vLLM).
+    # hf: additionally the target's transformers forward, tap by tap (loads the whole target in each prep rank).
+    fidelity: str = "engine"
 
 
 @dataclass
@@ -154,6 +159,8 @@ class PrepConfig:
         if c.tensor_parallel_size != 1:
             raise ValueError("capture.tensor_parallel_size splits the transformers target (capture.engine=hf); "
                              "with capture.engine=vllm set capture.vllm.tensor_parallel_size")
+        if c.vllm.fidelity not in ("engine", "hf"):
+            raise ValueError(f"capture.vllm.fidelity must be engine|hf, got {c.vllm.fidelity!r}")
         for key in ("tensor_parallel_size", "pipeline_parallel_size", "max_pending_files", "chunk_tokens"):
             if getattr(c.vllm, key) < 1:
                 raise ValueError(f"capture.vllm.{key} must be >= 1, got {getattr(c.vllm, key)}")

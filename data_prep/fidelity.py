@@ -219,6 +219,57 @@ def check_engine_fidelity(model: nn.Module, head: TargetHead, tap_layers: Sequen
     return result
 
 
+@torch.no_grad()
+def check_engine_head(head: TargetHead, probe: Sequence[Tensor], teachers: Sequence[Tensor],
+                      engine_choice: Sequence[dict], engine: str = "vLLM") -> dict:
+    """Without the transformers target: the prep's head applied to the engine's teacher [T, H] of each probe
+    sequence against the engine's own next-token choice (`engine_choice`: per sequence `top1` [T] and
+    `top1_logprob` [T], its top-1 after every position). The argmax must agree wherever the head's top two logits
+    are further apart than the LM head's tolerance, and the log-probability the head gives the engine's token
+    must be that token's log-probability in the engine within twice that tolerance (a logit and the log-sum-exp,
+    each within it). This ties the shards' teacher to the engine's own logits and the head that training applies
+    to it; the taps, read from the same residual stream as the teacher, are compared with the transformers
+    forward by check_engine_fidelity (capture.vllm.fidelity=hf). FidelityError naming what differs."""
+    device = head.lm_head.weight.device
+    dtype = teachers[0].dtype
+    positions = agreed = decisive_misses = 0
+    max_lp, tol = 0.0, 0.0
+    for seq, teacher, choice in zip(probe, teachers, engine_choice):
+        if "top1" not in choice or len(choice["top1"]) != len(seq):
+            raise FidelityError(f"{engine} returned no top-1 for every position of a probe sequence ({len(seq)} "
+                                f"tokens): got {len(choice.get('top1') or [])}")
+        logits = head.logits(teacher.to(device)).float()
+        ids = torch.tensor(choice["top1"], device=device)
+        seq_tol = engine_tolerance(dtype, logits)
+        tol = max(tol, seq_tol)
+        top2 = logits.topk(2, dim=-1).values
+        same = logits.argmax(-1) == ids
+        decisive = (top2[:, 0] - top2[:, 1]) > seq_tol
+        positions += len(seq)
+        agreed += int(same.sum())
+        decisive_misses += int((~same & decisive).sum())
+        theirs = torch.tensor(choice["top1_logprob"], device=device, dtype=torch.float32)
+        ours = logits.log_softmax(-1).gather(-1, ids[:, None])[:, 0]
+        max_lp = max(max_lp, float((ours - theirs).abs().max()))
+    result = {"engine": engine, "check": "head on the engine's teacher vs the engine's own top-1",
+              "family": head.family, "dtype": str(dtype).removeprefix("torch."), "tokens": positions,
+              "argmax_agreement": agreed / max(positions, 1), "max_logprob_diff": max_lp,
+              "logprob_tolerance": 2 * tol}
+    failed = []
+    if decisive_misses:
+        failed.append(f"the head's argmax differs from {engine}'s top-1 at {decisive_misses} of {positions} "
+                      "positions where its top two logits are further apart than the tolerance")
+    if not max_lp <= 2 * tol:
+        failed.append(f"the log-probability of {engine}'s top-1 differs by up to {max_lp:.4g} > {2 * tol:.3g}")
+    if failed:
+        raise FidelityError(f"{engine} capture fidelity check failed for the {head.family} target "
+                            f"({result['dtype']}): the prep's target head on {engine}'s teacher hidden states does "
+                            f"not reproduce {engine}'s own next-token choice on the probe batch ({positions} tokens) "
+                            "(a head from another checkpoint, the wrong final layer, or a norm the head rebuilds "
+                            "differently), so prep stops before writing anything: " + "; ".join(failed))
+    return result
+
+
 def pad_right_features(features: Sequence[Tensor], keep: Tensor) -> Tensor:
     """[B, T, D] of per-sequence [T_i, D] features, zero-padded on the right to `keep`'s width."""
     out = features[0].new_zeros(keep.shape[0], keep.shape[1], features[0].shape[-1])

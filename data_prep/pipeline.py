@@ -36,6 +36,7 @@ import json
 import os
 import time
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -74,11 +75,13 @@ from data_prep.shards import (
     write_prep_summary,
     writing,
 )
+from data_prep.strict_json import dumps
 from data_prep.targets import (
     TargetPreset,
     check_tensor_parallel,
     load_target,
     load_target_config,
+    load_target_head,
     load_tokenizer,
     resolve_target,
     tensor_parallel_group,
@@ -220,7 +223,7 @@ def template_kwargs(cfg: PrepConfig, preset: TargetPreset) -> dict:
 
 def tokenizer_hash(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    payload = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    payload = backend.to_str() if backend is not None else dumps(tokenizer.get_vocab(), sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -319,14 +322,25 @@ def _regen_path(out: Path, split: str, part: int, group, seed: int) -> Path:
     return path
 
 
-def save_target_files(head: TargetHead, model, tokenizer, out: Path) -> None:
+def save_target_files(head: TargetHead, target_config, tokenizer, out: Path) -> None:
+    """`target_config`: the target's transformers config as prep loaded it (its dtype)."""
     with writing(out / TARGET_HEAD_FILE):
         head.save(out / TARGET_HEAD_FILE, dtype=torch.float32)
     with writing(out / TARGET_CONFIG_FILE):
-        config = {k: v for k, v in model.config.to_dict().items() if k != "distributed_config"}  # how it was loaded
-        (out / TARGET_CONFIG_FILE).write_text(json.dumps(config, indent=1, default=str))
+        config = {k: v for k, v in target_config.to_dict().items() if k != "distributed_config"}
+        (out / TARGET_CONFIG_FILE).write_text(dumps(config, indent=1, default=str))
     with writing(out / "tokenizer"):
         tokenizer.save_pretrained(out / "tokenizer")
+
+
+def runs_hf_target(cfg: PrepConfig) -> bool:
+    """Whether prep loads the target into transformers (every rank, or its tensor-parallel group): for the HF
+    capture, the render stage's fidelity probe, regeneration with regen.backend=hf, or capture.vllm.fidelity=hf.
+    capture.engine=vllm otherwise reads the target's head alone (load_target_head): vLLM holds the layers, so a
+    target larger than one device never loads whole into a prep process."""
+    if cfg.capture.engine != "vllm" or cfg.stage != "all":
+        return True
+    return (cfg.regen.enabled and cfg.regen.backend == "hf") or cfg.capture.vllm.fidelity == "hf"
 
 
 def preflight(cfg: PrepConfig, preset: TargetPreset, tap_layers: list[int]) -> None:
@@ -426,7 +440,8 @@ def split_sizes(out: Path, captured: bool) -> tuple[dict[str, int], dict[str, in
     return ({s: manifests[s].num_samples for s in SPLITS}, {s: manifests[s].num_tokens for s in SPLITS}, size)
 
 
-def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, head: TargetHead, model, tokenizer, world: int) -> dict:
+def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, head: TargetHead, target_config, tokenizer,
+           world: int) -> dict:
     """Rank 0, after every rank closed its writers: manifests, draft vocab, target files, and the summary last,
     which marks the prep finished (data_prep/shards.py finished_prep)."""
     (out / PREP_SUMMARY).unlink(missing_ok=True)  # unfinished from the first rewritten file on
@@ -435,7 +450,7 @@ def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, head: TargetHead, model,
     if cfg.draft_vocab_count == "dataset":  # every rank counted its share (run)
         dataset_counts = sum(load_file(str(out / f"dataset_counts.r{r}.safetensors"))["counts"] for r in range(world))
     d2t, t2d, counts, dataset_counts = write_draft_vocab(cfg, out, spec.vocab_size, dataset_counts)
-    save_target_files(head, model, tokenizer, out)
+    save_target_files(head, target_config, tokenizer, out)
 
     parts = [json.loads((out / f"summary.r{r}.json").read_text()) for r in range(world)]
     total = Counter()
@@ -515,16 +530,23 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
 
         vllm_python = vllm_capture.ready(cfg.capture.vllm.python)
     tp_size = cfg.capture.tensor_parallel_size
-    model, tokenizer = load_target(preset, cfg.dtype, device, chat_template=cfg.chat_template, tensor_parallel=tp_size)
+    model = None  # the transformers target, where prep runs its forward (runs_hf_target)
+    if runs_hf_target(cfg):
+        model, tokenizer = load_target(preset, cfg.dtype, device, chat_template=cfg.chat_template,
+                                       tensor_parallel=tp_size)
+        head, target_config = TargetHead.from_hf_model(model), model.config
+    else:  # vLLM holds the layers; prep reads the head's tensors alone
+        tokenizer = load_tokenizer(preset, cfg.chat_template)
+        head, target_config = load_target_head(preset, cfg.dtype)
+        head = head.to(device)
     # tensor parallel: the samples are split over the groups (part `part` of `parts`); a group's first rank writes
     group = tensor_parallel_group(model)
     part, parts, writes = rank // tp_size, world // tp_size, rank % tp_size == 0
-    head = TargetHead.from_hf_model(model)
     spec = ShardSpec(
-        target={"id": preset.hf_id, "revision": preset.revision, "architecture": model.config.architectures[0]
-                if model.config.architectures else type(model).__name__,
+        target={"id": preset.hf_id, "revision": preset.revision, "architecture": target_config.architectures[0]
+                if target_config.architectures else target_config.model_type,
                 "num_layers": preset.num_layers, "hidden_size": preset.hidden_size,
-                "vocab_size": model.get_output_embeddings().weight.shape[0]},
+                "vocab_size": head.lm_head.weight.shape[0]},
         tap_layers=tap_layers,
         teacher=cfg.capture.teacher,
         teacher_topk=cfg.capture.topk if cfg.capture.teacher == "topk" else 0,
@@ -539,11 +561,13 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
     regen_summary: dict = {}
     capture_seconds = 0.0
     vllm_splits: dict = {}  # capture.engine=vllm: split -> (rendered, shard root), captured by one engine below
-    with HiddenStateCapture(model, tap_layers) as capture:
+    with HiddenStateCapture(model, tap_layers) if model is not None else nullcontext() as capture:
         probe = probe_batch(tokenizer, splits["train"], cfg.max_len, template_kwargs(cfg, preset))
-        fidelity = check_fidelity(model, head, capture, *(x.to(device) for x in probe))
-        if rank == 0:
-            print_fidelity(fidelity)
+        fidelity: dict = {}
+        if model is not None:
+            fidelity = check_fidelity(model, head, capture, *(x.to(device) for x in probe))
+            if rank == 0:
+                print_fidelity(fidelity)
         for split in SPLITS:
             mine = splits[split][part::parts]
             if cfg.regen.enabled:
@@ -573,11 +597,11 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
         share = dataset_token_counts(cfg, tokenizer, splits["pool"], preset, spec.vocab_size, part, parts)
         save_file({"counts": share}, str(out / f"dataset_counts.r{part}.safetensors"))
     if writes:
-        (out / f"summary.r{part}.json").write_text(json.dumps(
+        (out / f"summary.r{part}.json").write_text(dumps(
             {"counts": counts, "loader_skips": loader_skips, "regen": regen_summary,
              "capture_seconds": capture_seconds, "fidelity": fidelity}, default=dict))
     _barrier(world)
-    summary = finish(cfg, out, spec, head, model, tokenizer, parts) if rank == 0 else None
+    summary = finish(cfg, out, spec, head, target_config, tokenizer, parts) if rank == 0 else None
     _barrier(world)
     if rank == 0:
         print_summary(summary, out)

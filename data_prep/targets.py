@@ -310,6 +310,79 @@ def load_target(preset: TargetPreset, dtype: str | None = None, device: str | No
         return _load_model(preset, dtype, device), tokenizer
 
 
+def load_target_head(preset: TargetPreset, dtype: str | None = None):
+    """(TargetHead, the target's transformers config) without its decoder layers: the final norm, the LM head and
+    the input embedding, read from the checkpoint's safetensors files alone (a hub target downloads only the files
+    that hold them). For prep when an engine runs the target itself (capture.engine=vllm): a 120B target's head
+    is a few GiB, its layers stay in the engine. The module layout comes from the target's own transformers class
+    built without weights, so the head is the one `TargetHead.from_hf_model` takes from the loaded model."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from models.target_head import EMBED_KEY, LM_HEAD_KEY, HeadSpec, TargetHead, final_norm
+
+    load_target_config(preset)  # the preset's geometry checked against its config.json
+    with _named_load_errors(preset):
+        config = AutoConfig.from_pretrained(model_path(preset), revision=_revision(preset))
+    torch_dtype = getattr(torch, dtype or preset.dtype)
+    with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (Gemma's embed_scale) real
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    spec = HeadSpec.from_hf_model(skeleton)
+    names = {id(p): n for n, p in skeleton.named_parameters(remove_duplicate=False)}
+    emb, out = skeleton.get_input_embeddings().weight, skeleton.get_output_embeddings().weight
+    text = config.get_text_config().to_dict()
+    tied = out is emb or bool(text.get("tie_word_embeddings"))  # a skeleton may not be tied yet; its config says
+    wanted = {EMBED_KEY: names[id(emb)]}
+    if not tied:
+        wanted[LM_HEAD_KEY] = names[id(out)]
+    wanted.update({f"norm.{k}": names[id(v)] for k, v in final_norm(skeleton).named_parameters()})
+    with _named_load_errors(preset):
+        tensors = _checkpoint_tensors(preset, wanted)
+    text["tie_word_embeddings"] = tied
+    head = TargetHead.from_tensors({k: v.to(torch_dtype) for k, v in tensors.items()}, text, spec)
+    return head, config
+
+
+def _checkpoint_tensors(preset: TargetPreset, wanted: dict[str, str]) -> dict:
+    """{our key: tensor} for `wanted` ({our key: the module's parameter name}) from the target's safetensors
+    files: model.safetensors.index.json's weight map, else model.safetensors. A checkpoint that stores a name
+    under another prefix (a multimodal wrapper's `language_model.`) is matched by the name's unique suffix."""
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    root, revision = model_path(preset), _revision(preset)
+    index = cached_file(root, "model.safetensors.index.json", revision=revision,
+                        _raise_exceptions_for_missing_entries=False)
+    weight_map = (json.loads(Path(index).read_text())["weight_map"] if index
+                  else dict.fromkeys(_safetensors_keys(cached_file(root, "model.safetensors", revision=revision)),
+                                     "model.safetensors"))
+    found: dict[str, str] = {}
+    for key, name in wanted.items():
+        if name in weight_map:
+            found[key] = name
+            continue
+        tail = name.split(".", 1)[1] if name.startswith("model.") else name
+        hits = [k for k in weight_map if k.endswith("." + tail) or k == tail]
+        if len(hits) != 1:
+            raise ValueError(f"target {preset.name!r}: its checkpoint ({root}) has no single tensor for {name!r} "
+                             f"(the {key.split('.')[0]} of the head prep reads without the layers); found {hits}")
+        found[key] = hits[0]
+    tensors = {}
+    for file in sorted({weight_map[n] for n in found.values()}):
+        with safe_open(cached_file(root, file, revision=revision), framework="pt") as f:
+            for key, name in found.items():
+                if weight_map[name] == file:
+                    tensors[key] = f.get_tensor(name)
+    return tensors
+
+
+def _safetensors_keys(path: str) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return list(f.keys())
+
+
 def _model_kwargs(preset: TargetPreset, dtype: str | None) -> dict:
     kwargs: dict = {"dtype": getattr(torch, dtype or preset.dtype), "revision": _revision(preset)}
     if preset.attn_implementation:

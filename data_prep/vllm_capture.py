@@ -11,9 +11,12 @@ token ids are the sample's and its shape [T, ids, H], builds the shard Sample ex
 writes it with the rank's ShardWriter and deletes the file (the worker waits while too many are unread).
 
 Resume: samples already recorded in a split's partial manifests are not sent again; nothing is started when
-every sample is recorded. Fidelity: the prep's probe batch goes first through the same engine, and
-data_prep/fidelity.py check_engine_fidelity compares vLLM's taps and teacher (and the head's norm and argmax
-on them) with the target's own forward before any sample is written.
+every sample is recorded. Fidelity: the prep's probe batch goes first through the same engine, before any sample
+is written: the prep's target head on vLLM's teacher must give vLLM's own top-1 next token at every probe position
+(data_prep/fidelity.py check_engine_head; no transformers copy of the target is loaded: prep reads the head's
+tensors alone), and with capture.vllm.fidelity=hf check_engine_fidelity also compares every tap and the teacher
+with the target's transformers forward. Every captured sample's last position is checked the same way
+(`next_token_agreement` in the summary).
 
 Scaling: `capture.vllm.tensor_parallel_size`, `pipeline_parallel_size` and `engine_kwargs` (any other
 `vllm.LLM` argument, e.g. distributed_executor_backend="ray" for one engine over several nodes) pass through.
@@ -40,6 +43,8 @@ from safetensors.torch import load_file
 from data_prep.capture import compact_teacher
 from data_prep.rendered import Rendered, capture_order
 from data_prep.shards import Sample, ShardSpec, ShardWriter, completed_sample_ids
+from data_prep.strict_json import dumps
+from models.target_head import TargetHead
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER = "data_prep.vllm_worker"
@@ -138,7 +143,7 @@ def features_from_file(path: Path, input_ids: torch.Tensor, sample_id: str, colu
 
 
 def build_sample(rendered: Rendered, taps: torch.Tensor, final_hidden: torch.Tensor, spec: ShardSpec,
-                 head: torch.nn.Module | None) -> Sample:
+                 head: TargetHead) -> Sample:
     """The shard Sample data_prep/capture.py capture_samples builds for the same features."""
     teacher = {}
     if spec.teacher != "hidden":
@@ -170,20 +175,24 @@ class VLLMJob:
     stats: dict = field(default_factory=dict)  # the worker's last index line (start-up and capture seconds)
 
 
-def stream_features(job: VLLMJob, items: list[tuple[str, torch.Tensor]], poll_s: float = 0.05):
-    """Run the worker on `items` ((key, token ids), in order) and yield (key, taps, teacher hidden) as its files
-    arrive, deleting each once yielded. The worker is stopped if the consumer stops early or fails."""
+def stream_features(job: VLLMJob, items: list[tuple[str, torch.Tensor]], poll_s: float = 0.05,
+                    logprobs: frozenset[str] = frozenset()):
+    """Run the worker on `items` ((key, token ids), in order) and yield (key, taps, teacher hidden, engine) as its
+    files arrive, deleting each once yielded; `engine`: vLLM's own next-token choice (data_prep/vllm_worker.py
+    next_tokens: its greedy next token, and for the keys in `logprobs` its top-1 at every position). The worker
+    is stopped if the consumer stops early or fails."""
     ids, columns, teacher = aux_layer_ids(job.tap_layers, job.num_layers)
     shutil.rmtree(job.work_dir, ignore_errors=True)  # a crashed run's unread files: not recorded, redone
     job.work_dir.mkdir(parents=True)
     samples_file = job.work_dir / "samples.jsonl"
-    samples_file.write_text("".join(json.dumps({"id": k, "input_ids": t.tolist()}) + "\n" for k, t in items))
+    samples_file.write_text("".join(dumps({"id": k, "input_ids": t.tolist(), "logprobs": k in logprobs}) + "\n"
+                                    for k, t in items))
     request = {"model": job.model, "dtype": job.dtype, "max_model_len": job.max_model_len, "layer_ids": ids,
                "out_dir": str(job.work_dir / "out"), "samples_file": str(samples_file),
                "tensor_parallel_size": job.tensor_parallel_size, "pipeline_parallel_size": job.pipeline_parallel_size,
                "engine_kwargs": job.engine_kwargs, "max_pending_files": job.max_pending_files,
                "chunk_tokens": job.chunk_tokens}
-    (job.work_dir / "request.json").write_text(json.dumps(request, indent=1))
+    (job.work_dir / "request.json").write_text(dumps(request, indent=1))
     out = job.work_dir / "out"
     out.mkdir()
     log_path = job.log_path or job.work_dir / "vllm.log"
@@ -213,7 +222,7 @@ def stream_features(job: VLLMJob, items: list[tuple[str, torch.Tensor]], poll_s:
                     key, path = entry["id"], out / entry["file"]
                     taps, final = features_from_file(path, tokens[key], key, columns, teacher, len(ids),
                                                      job.hidden_size)
-                    yield key, taps, final
+                    yield key, taps, final, {k: v for k, v in entry.items() if k not in ("id", "file", "tokens")}
                     path.unlink()
                 if not lines and proc.poll() is not None:
                     tail = log_path.read_text().strip().splitlines()[-5:] if log_path.exists() else []
@@ -240,15 +249,17 @@ def _stop(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
             continue
 
 
-def capture_splits(job: VLLMJob, spec: ShardSpec, head: torch.nn.Module | None,
+def capture_splits(job: VLLMJob, spec: ShardSpec, head: TargetHead,
                    splits: dict[str, tuple[list[Rendered], Path]], rank: int, tokens_per_shard: int,
                    probe: list[torch.Tensor] | None = None,
-                   check_probe: Callable[[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]], dict] | None
-                   = None) -> tuple[dict[str, dict], dict | None]:
+                   check_probe: Callable[[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[dict]],
+                                         dict] | None = None) -> tuple[dict[str, dict], dict | None]:
     """Capture every split's samples not yet recorded (split -> (rendered samples, shard set root)) through ONE
     vLLM engine, each written by its split's ShardWriter in capture order. `probe` (token id sequences) goes
-    first; `check_probe(probe, taps, teachers)` judges it before any sample is written (its result is returned).
-    Per split: samples, tokens, seconds, skipped_already_done, bytes_written, as pipeline.capture_split."""
+    first; `check_probe(probe, taps, teachers, engine)` judges it before any sample is written (its result is
+    returned; `engine`: vLLM's own top-1 per position, stream_features). Per split: samples, tokens, seconds,
+    skipped_already_done, bytes_written, as pipeline.capture_split, and `next_token_agreement`: of the samples
+    captured, the share whose last position's teacher gives, through `head`, the token vLLM itself chose."""
     writers, todo, stats = {}, {}, {}
     for split, (samples, root) in splits.items():
         writers[split] = ShardWriter(root, spec, rank=rank, tokens_per_shard=tokens_per_shard)
@@ -257,32 +268,42 @@ def capture_splits(job: VLLMJob, spec: ShardSpec, head: torch.nn.Module | None,
         stats[split] = {"samples": len(todo[split]), "tokens": 0, "seconds": 0.0,
                         "skipped_already_done": len(samples) - len(todo[split]), "bytes_written": 0}
     items = [(f"{PROBE}{i}", ids) for i, ids in enumerate(probe or [])]
+    probe_keys = frozenset(k for k, _ in items)
     items += [(f"{SAMPLE}{split}:{sid}", s.input_ids) for split in todo for sid, s in todo[split].items()]
     fidelity = None
     if any(todo.values()):
-        got_probe: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        got_probe: dict[str, tuple[torch.Tensor, torch.Tensor, dict]] = {}
+        agreed = {split: 0 for split in todo}
         start = time.perf_counter()
-        for key, taps, final in stream_features(job, items):
+        for key, taps, final, engine in stream_features(job, items, logprobs=probe_keys):
             if key.startswith(PROBE):
-                got_probe[key] = (taps, final)
+                got_probe[key] = (taps, final, engine)
                 if len(got_probe) == len(probe) and check_probe is not None:
                     order = [got_probe[f"{PROBE}{i}"] for i in range(len(probe))]
-                    fidelity = check_probe(probe, [t for t, _ in order], [f for _, f in order])
+                    fidelity = check_probe(probe, *map(list, zip(*order)))
                 continue
             split, sid = key[len(SAMPLE):].split(":", 1)
             sample = build_sample(todo[split][sid], taps, final, spec, head)
             writers[split].add(sample)
             stats[split]["tokens"] += len(sample)
+            agreed[split] += int(head_choice(head, final[-1]) == engine["next_token"])
         # one engine serves every split: its wall time (start-up excluded) is shared by their tokens
         elapsed = time.perf_counter() - start - (job.stats.get("startup_s") or 0.0)
         total = sum(s["tokens"] for s in stats.values()) or 1
-        for s in stats.values():
+        for split, s in stats.items():
             s["seconds"] = elapsed * s["tokens"] / total
             s["vllm_startup_s"] = job.stats.get("startup_s")
+            s["next_token_agreement"] = agreed[split] / s["samples"] if s["samples"] else None
     for split, writer in writers.items():
         writer.close()
         stats[split]["bytes_written"] = writer.bytes_written
     return stats, fidelity
+
+
+@torch.no_grad()
+def head_choice(head: TargetHead, teacher_row: torch.Tensor) -> int:
+    """The target's greedy token after a position, from its teacher hidden state through the prep's head."""
+    return int(head.logits(teacher_row.to(head.lm_head.weight.device)[None]).argmax(-1)[0])
 
 
 def ready(configured_python: str | None) -> str:
@@ -296,9 +317,11 @@ def capture_prep(cfg, preset, model, head, spec: ShardSpec, tap_layers: list[int
                  splits: dict[str, tuple[list[Rendered], Path]], part: int, probe: tuple[torch.Tensor, torch.Tensor],
                  out: Path, python: str) -> tuple[dict[str, dict], dict]:
     """Prep's capture stage through vLLM (data_prep/pipeline.py run, capture.engine=vllm): every split of this
-    rank in one engine, the probe batch checked first against `model` (data_prep/fidelity.py
-    check_engine_fidelity). Returns (stats per split, the probe's fidelity result or {} when nothing was left)."""
-    from data_prep.fidelity import check_engine_fidelity
+    rank in one engine, the probe batch checked first: the head against vLLM's own top-1 at every position
+    (data_prep/fidelity.py check_engine_head), and, where prep loaded the transformers target (`model` not None:
+    capture.vllm.fidelity=hf or regeneration on it), every tap against its forward (check_engine_fidelity).
+    Returns (stats per split, the probe's fidelity result or {} when nothing was left)."""
+    from data_prep.fidelity import check_engine_fidelity, check_engine_head
     from data_prep.targets import model_path
 
     v = cfg.capture.vllm
@@ -311,12 +334,17 @@ def capture_prep(cfg, preset, model, head, spec: ShardSpec, tap_layers: list[int
     ids, mask = probe
     sequences = [ids[i][mask[i].bool()] for i in range(ids.shape[0])]
 
-    def judge(seqs, taps, teachers) -> dict:
-        result = check_engine_fidelity(model, head, tap_layers, seqs, taps, teachers)
-        rel = max(v for k, v in result["max_rel_diff"].items() if k.startswith("tap "))
-        print(f"vLLM capture fidelity ({result['dtype']}, {result['tokens']} probe tokens): max relative difference "
-              f"taps {rel:.3g}, teacher {result['max_rel_diff']['teacher']:.3g}; argmax agreement "
-              f"{result['argmax_agreement']:.3f}")
+    def judge(seqs, taps, teachers, engine) -> dict:
+        result = check_engine_head(head, seqs, teachers, engine)
+        print(f"vLLM capture fidelity ({result['dtype']}, {result['tokens']} probe tokens): the prep's head on vLLM's "
+              f"teacher gives vLLM's own top-1 at {result['argmax_agreement']:.4f} of the positions, log-probability "
+              f"of that token within {result['max_logprob_diff']:.3g}")
+        if model is not None:
+            result["hf"] = check_engine_fidelity(model, head, tap_layers, seqs, taps, teachers)
+            rel = max(v for k, v in result["hf"]["max_rel_diff"].items() if k.startswith("tap "))
+            print(f"vLLM capture against the transformers forward: max relative difference taps {rel:.3g}, teacher "
+                  f"{result['hf']['max_rel_diff']['teacher']:.3g}; argmax agreement "
+                  f"{result['hf']['argmax_agreement']:.3f}")
         return result
 
     stats, fidelity = capture_splits(job, spec, head, splits, part, cfg.capture.tokens_per_shard, sequences, judge)

@@ -21,7 +21,8 @@ memory. Everything else (which states, their cache, the file and its keys) is vL
 Protocol with the project side: the worker renames each finished file to `<out_dir>/<n>.safetensors` and then
 appends `{"id", "file", "tokens"}` to `<out_dir>/index.jsonl`, so an indexed file is complete. It waits while
 `max_pending_files` captured files are still in out_dir (the reader deletes each once written to a shard), and
-ends the index with `{"done": true, ...}` (start-up and capture seconds).
+ends the index with `{"done": true, ...}` (start-up and capture seconds). Each index line also carries vLLM's
+own greedy next token (`next_token`), and for a sample marked `logprobs` its top-1 at every position (`top1`).
 """
 
 from __future__ import annotations
@@ -174,6 +175,22 @@ def _chunks(samples: list[dict], chunk_tokens: int) -> list[list[dict]]:
     return out
 
 
+def next_tokens(output) -> dict:
+    """vLLM's own next-token choice for one prompt: `next_token` (what it sampled at temperature 0 after the last
+    position) and its log-probability; with prompt logprobs, `top1` / `top1_logprob` at every position j (the
+    rank-1 entry of position j+1's prompt logprobs, then the sampled token)."""
+    sampled = output.outputs[0]
+    token = int(sampled.token_ids[0])
+    logprob = float(sampled.logprobs[0][token].logprob) if sampled.logprobs else None
+    out: dict = {"next_token": token, "next_logprob": logprob}
+    if output.prompt_logprobs is not None:
+        top = [next(lp for lp in d.values() if lp.rank == 1) for d in output.prompt_logprobs[1:]]
+        ids = [next(t for t, lp in d.items() if lp.rank == 1) for d in output.prompt_logprobs[1:]]
+        out["top1"] = [*map(int, ids), token]
+        out["top1_logprob"] = [*(float(lp.logprob) for lp in top), logprob]
+    return out
+
+
 def run(req: dict) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -185,14 +202,18 @@ def run(req: dict) -> None:
     start = time.perf_counter()
     llm = build_llm(req, storage)
     startup_s = time.perf_counter() - start
-    params = SamplingParams(max_tokens=1, temperature=0.0)
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=1)
+    # A sample marked "logprobs" (the prep's probe) also returns vLLM's top-1 at every prompt position: what the
+    # project side checks its target head against (vllm_capture.check_probe) without a transformers target.
+    probe_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=1, prompt_logprobs=1)
     index = open(out_dir / INDEX, "a")
     serial, tokens, busy = 0, 0, 0.0
     for chunk in _chunks(samples, int(req.get("chunk_tokens", 1 << 16))):
         while _pending(out_dir) >= int(req.get("max_pending_files", 256)):
             time.sleep(0.05)  # the reader has not caught up yet: bounded disk use
         t = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=s["input_ids"]) for s in chunk], params, use_tqdm=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=s["input_ids"]) for s in chunk],
+                            [probe_params if s.get("logprobs") else params for s in chunk], use_tqdm=False)
         for s, o in zip(chunk, outs):
             path = (o.kv_transfer_params or {}).get("hidden_states_path")
             if path is None:
@@ -202,7 +223,8 @@ def run(req: dict) -> None:
             os.unlink(path + ".lock")
             name = f"{serial:08d}.safetensors"
             os.replace(path, out_dir / name)
-            index.write(json.dumps({"id": s["id"], "file": name, "tokens": len(s["input_ids"])}) + "\n")
+            index.write(json.dumps({"id": s["id"], "file": name, "tokens": len(s["input_ids"]), **next_tokens(o)})
+                        + "\n")
             index.flush()
             serial += 1
             tokens += len(s["input_ids"])

@@ -199,9 +199,10 @@ class TargetHead(nn.Module):
         return norm(probe)[0]
 
     @classmethod
-    def _from_tensors(cls, t: dict[str, Tensor], cfg: dict[str, Any], spec: HeadSpec | None = None,
+    def from_tensors(cls, t: dict[str, Tensor], cfg: dict[str, Any], spec: HeadSpec | None = None,
                       tied: bool = False) -> TargetHead:
-        """tied: the LM head is the embedding whatever the config says (a file that stores it once says so)."""
+        """The head from its tensors (KEYS, the norm's under norm.*) and the target's text config. tied: the LM head
+        is the embedding whatever the config says (a file that stores it once says so)."""
         cfg = cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
         tied = tied or bool(cfg.get("tie_word_embeddings", False))
         if "lm_head.weight" not in t and tied:
@@ -236,7 +237,7 @@ class TargetHead(nn.Module):
             spec = HeadSpec.from_metadata(meta)
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no items()
         tied = (meta or {}).get(TIED_KEY) == "true" and LM_HEAD_KEY not in tensors  # stored once
-        head = cls._from_tensors(tensors, target_config, spec, tied=tied)
+        head = cls.from_tensors(tensors, target_config, spec, tied=tied)
         return head if dtype is None else head.to(dtype)
 
     @classmethod
@@ -251,7 +252,7 @@ class TargetHead(nn.Module):
         cfg["tie_word_embeddings"] = out.weight is emb.weight
         # a tensor-parallel target (DTensor parameters) gives its whole tensors: a collective over its group
         whole = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in t.items()}
-        return cls._from_tensors({k: v.detach() for k, v in whole.items()}, cfg, spec)
+        return cls.from_tensors({k: v.detach() for k, v in whole.items()}, cfg, spec)
 
     def save(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
         """Every tensor once, `dtype` None: as held. A tied LM head is the embedding (stored once; the metadata

@@ -171,12 +171,23 @@ def test_vllm_engine_prep_writes_the_hf_capture_and_resumes(tmp_path: Path, tiny
     written = completed_sample_ids(out / "train") | completed_sample_ids(out / "eval")
     assert len(written) == 3  # one sample per shard: each recorded as soon as it is written
     log.unlink()
+    import data_prep.pipeline as pipeline
+
+    def no_load(*_a, **_k):
+        raise AssertionError("capture.engine=vllm loaded the whole target into the prep process")
+
+    monkeypatch.setattr(pipeline, "load_target", no_load)  # vLLM holds the layers; prep reads the head alone
     summary = run_prep(out, str(tiny_target_dir), str(tiny_sharegpt_file), **vllm_cfg)
     second = log.read_text().split()
     asked = [k.split(":", 2)[2] for k in second if k.startswith("sample:")]
     assert not set(asked) & written and len(asked) == len(first) - 2 - 3  # the rest only, each once
     assert summary["samples"] == hf["samples"] and summary["tokens"] == hf["tokens"]
-    assert summary["fidelity"]["vllm"]["engine"] == "vLLM" and summary["fidelity"]["vllm"]["argmax_agreement"] == 1.0
+    fidelity = summary["fidelity"]["vllm"]  # the head on the engine's teacher against the engine's own top-1
+    assert fidelity["engine"] == "vLLM" and fidelity["argmax_agreement"] == 1.0 and fidelity["tokens"] > 50
+    assert fidelity["max_logprob_diff"] < 1e-4 and "hf" not in fidelity
+    # the head and config prep stores (what training reads) are the HF prep's, byte for byte
+    assert summary["target_head_sha256"] == hf["target_head_sha256"]
+    assert (out / "target_config.json").read_text() == (tmp_path / "hf" / "target_config.json").read_text()
     _assert_same_shards(out, tmp_path / "hf", teacher)
     assert not (out / ".vllm_capture.r0").exists()
 
@@ -186,9 +197,25 @@ def test_vllm_engine_compact_teacher_from_the_prep_head(tmp_path: Path, tiny_tar
     common = {"num_samples": 4, "eval_samples": 2, "regen.enabled": False, "capture.teacher": "topk",
               "capture.topk": 4}
     run_prep(tmp_path / "hf", str(tiny_target_dir), str(tiny_sharegpt_file), **common)
-    run_prep(tmp_path / "vllm", str(tiny_target_dir), str(tiny_sharegpt_file), **common,
-             **{"capture.engine": "vllm", "capture.vllm.python": standin(tmp_path)})
+    summary = run_prep(tmp_path / "vllm", str(tiny_target_dir), str(tiny_sharegpt_file), **common,
+                       **{"capture.engine": "vllm", "capture.vllm.python": standin(tmp_path),
+                          "capture.vllm.fidelity": "hf"})
     _assert_same_shards(tmp_path / "vllm", tmp_path / "hf", "topk")
+    # fidelity=hf: the transformers target loaded beside the engine, every tap compared with its forward
+    against_hf = summary["fidelity"]["vllm"]["hf"]
+    assert against_hf["argmax_agreement"] == 1.0 and max(against_hf["max_rel_diff"].values()) < 1e-5
+
+
+def test_a_head_that_is_not_the_engines_is_refused_before_writing(tmp_path: Path, tiny_target_dir: Path,
+                                                                  tiny_sharegpt_file: Path, monkeypatch) -> None:
+    from data_prep.fidelity import FidelityError
+
+    monkeypatch.setenv("STANDIN_OTHER_HEAD", "1")  # the engine's next-token choices are not the target head's
+    with pytest.raises(FidelityError, match=r"head on vLLM's teacher hidden states does not reproduce vLLM's own "
+                                            r"next-token choice .* argmax differs from vLLM's top-1 at \d+ of"):
+        run_prep(tmp_path / "p", str(tiny_target_dir), str(tiny_sharegpt_file), num_samples=4, eval_samples=2,
+                 **{"regen.enabled": False, "capture.engine": "vllm", "capture.vllm.python": standin(tmp_path)})
+    assert not list((tmp_path / "p" / "train").glob("shards/*.safetensors"))
 
 
 def test_files_that_are_not_the_samples_are_refused(tmp_path: Path, tiny_target_dir: Path,
@@ -230,3 +257,26 @@ def test_real_vllm_capture_matches_hf_capture(tmp_path: Path) -> None:
     assert result["teacher"]["max_rel_diff"] <= REL_TOL, result["teacher"]
     assert result["argmax_agreement"] >= ARGMAX_AGREEMENT, result
     assert result["fidelity"]["argmax_agreement"] >= ARGMAX_AGREEMENT
+    # the default check, without a transformers target: the head on vLLM's teacher gives vLLM's own top-1
+    assert result["engine_head_check"]["argmax_agreement"] >= ARGMAX_AGREEMENT, result["engine_head_check"]
+    assert result["next_token_agreement"] >= ARGMAX_AGREEMENT, result
+
+
+@needs_vllm
+def test_real_vllm_prep_loads_no_transformers_target(tmp_path: Path, monkeypatch) -> None:
+    """`make prep ... capture.engine=vllm` on the embedded target: vLLM holds the layers, the prep process reads the
+    head's tensors alone, the engine-side fidelity check passes, and the shards are complete."""
+    import data_prep.pipeline as pipeline
+
+    def no_load(*_a, **_k):
+        raise AssertionError("capture.engine=vllm loaded the whole target into the prep process")
+
+    monkeypatch.setattr(pipeline, "load_target", no_load)
+    summary = run_prep(tmp_path / "p", "smollm2-135m-instruct", "sharegpt-embedded", num_samples=6, eval_samples=2,
+                       max_len=256, dtype="float32", draft_vocab_count="train",
+                       **{"regen.enabled": False, "capture.engine": "vllm", "capture.vllm.python": VLLM_PYTHON,
+                          "capture.vllm.engine_kwargs": {"enforce_eager": True}})
+    print(summary["fidelity"])
+    assert summary["fidelity"]["vllm"]["argmax_agreement"] >= ARGMAX_AGREEMENT
+    for split in ("train", "eval"):  # every rendered sample captured (a conversation over max_len is skipped)
+        assert 0 < len(ShardSet(tmp_path / "p" / split)) == summary["samples"][split]

@@ -168,6 +168,23 @@ def _last_layer_output(model, ids: torch.Tensor) -> tuple[torch.Tensor, object]:
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+def test_the_head_read_without_the_layers_is_the_loaded_targets(name: str, target_dirs) -> None:
+    """capture.engine=vllm reads the head's tensors alone (data_prep.targets.load_target_head): the same tensors,
+    tying and family spec (norm class, soft-cap, embedding scale) as the head taken from the loaded target."""
+    from data_prep.targets import load_target, load_target_head, resolve_target
+
+    preset = resolve_target(str(target_dirs[name]))
+    head, config = load_target_head(preset, "float32")
+    model, _ = load_target(preset, "float32", "cpu", chat_template="{{ '' }}")
+    ref = TargetHead.from_hf_model(model)
+    assert head.spec == ref.spec and head.tied == ref.tied
+    assert head.state_dict().keys() == ref.state_dict().keys()
+    for key, value in ref.state_dict().items():
+        assert torch.equal(head.state_dict()[key], value), key
+    assert config.to_dict() == model.config.to_dict()  # what prep writes as target_config.json
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_prep_stores_a_head_that_reproduces_the_target(name: str, preps, target_dirs) -> None:
     """The prep's own check passed (fp32: logits within 1e-4, the same argmax), and the head it stored rebuilds the
     target's logits, embedding and norm from the file alone, as training does."""

@@ -9,7 +9,9 @@ tests/test_prep_capture_vllm.py's opt-in test.
 
 Environment: STANDIN_VERSION (what --check reports, default the version the route needs), STANDIN_FAIL_AFTER=n
 (exit 3 after n files: a crash mid-capture), STANDIN_LOG (append the ids asked for, one per line),
-STANDIN_BAD_TOKENS=1 (write the wrong token ids in every file).
+STANDIN_BAD_TOKENS=1 (write the wrong token ids in every file), STANDIN_OTHER_HEAD=1 (report next-token choices
+that are not the target head's: the engine-side fidelity check must refuse them). Each index line carries the
+engine's greedy next token, and for a sample marked "logprobs" its top-1 at every position, as the worker's.
 """
 
 from __future__ import annotations
@@ -51,7 +53,15 @@ def main(argv: list[str]) -> int:
                 return 3
             ids = torch.tensor(s["input_ids"])
             with torch.no_grad():
-                hs = model(input_ids=ids[None], output_hidden_states=True).hidden_states
+                out_ = model(input_ids=ids[None], output_hidden_states=True)
+                hs = out_.hidden_states
+            logp = out_.logits[0].float().log_softmax(-1)
+            if os.environ.get("STANDIN_OTHER_HEAD"):  # an engine whose own logits are not the prep head's
+                logp = logp.roll(1, dims=-1)
+            top = logp.max(-1)
+            choice = {"next_token": int(top.indices[-1]), "next_logprob": float(top.values[-1])}
+            if s.get("logprobs"):
+                choice.update(top1=top.indices.tolist(), top1_logprob=top.values.tolist())
             states = [hs[k][0] if k < num_layers else seen["norm_in"][0] for k in req["layer_ids"]]
             if os.environ.get("STANDIN_BAD_TOKENS"):
                 ids = ids + 1
@@ -59,7 +69,7 @@ def main(argv: list[str]) -> int:
             save_file({"hidden_states": torch.stack(states, dim=1).contiguous(), "token_ids": ids},
                       str(out / (name + ".tmp")))
             os.replace(out / (name + ".tmp"), out / name)
-            index.write(json.dumps({"id": s["id"], "file": name, "tokens": len(ids)}) + "\n")
+            index.write(json.dumps({"id": s["id"], "file": name, "tokens": len(ids), **choice}) + "\n")
             index.flush()
         index.write(json.dumps({"done": True, "samples": len(samples), "startup_s": 0.0, "capture_s": 0.0}) + "\n")
     return 0
