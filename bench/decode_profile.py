@@ -41,8 +41,8 @@ reused by the later ones. Sampling (T=1) uses eval's defaults top_p=1, top_k=0 a
 docs/method.md §1; prompt lookup at T=1 is transformers' assisted decoding with `do_sample=True`.
 
 `vllm` (bench/results/vllm_serving.{json,png}): the same drafter served by vLLM's CPU build, throughput with and
-without speculation by concurrency. For each server (plain, then `--speculative-config {"method": "eagle3",
-"num_speculative_tokens": K}`; one at a time, started and stopped by eval.engine_check.vllm_server) and each
+without speculation by concurrency. For each server (plain, then `--speculative-config {"method": <the family
+table's vllm_method>, "num_speculative_tokens": K}`; one at a time, started and stopped by eval.engine_check.vllm_server) and each
 concurrency c, the first turns of `--num-prompts` MT-bench prompts (greedy, `ignore_eos`, so every request
 generates the same length) are sent with c requests in flight: output tokens per wall second over the whole batch,
 mean request latency, and for the speculative server its mean acceptance length (1 + accepted / drafts, vLLM's
@@ -52,7 +52,6 @@ spec_decode counters). The speedup at c is throughput(spec) / throughput(plain) 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -64,6 +63,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from data_prep.strict_json import dumps
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKENS = (1, 2, 3, 5, 9, 17, 33, 64)
@@ -251,9 +252,9 @@ def cmd_profile(args: argparse.Namespace) -> dict:
         result["cycles"] = [cycle_profile(args, b) for b in args.budgets.split(",")]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    out.write_text(dumps(result, indent=1) + "\n")
     plot_profile(result, out.with_suffix(".png"))
-    print(json.dumps(result, indent=1))
+    print(dumps(result, indent=1))
     return result
 
 
@@ -316,8 +317,8 @@ def cmd_gemm(args: argparse.Namespace) -> dict:
         secs = [stack_seconds([head.forward], [text_cfg.hidden_size], m, args.repeats) for m in GEMM_TOKENS]
         result["lm_head"] = {"seconds": secs, "ratio_to_1": [s / secs[0] for s in secs]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps(result, indent=1))
+    Path(args.out).write_text(dumps(result, indent=1))
+    print(dumps(result, indent=1))
     return result
 
 
@@ -471,9 +472,9 @@ def cmd_speed(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     safe = json_safe(result)
-    out.write_text(json.dumps(safe, indent=1))
+    out.write_text(dumps(safe, indent=1))
     plot_speed(safe["rows"], out.with_suffix(".png"))
-    print(json.dumps({k: v for k, v in safe.items() if k != "rows"} | {"rows": [
+    print(dumps({k: v for k, v in safe.items() if k != "rows"} | {"rows": [
         {k: v for k, v in r.items() if k not in ("tau_per_request", "accept_length_histogram")} for r in safe["rows"]
     ]}))
     print(f"results: {out} and {out.with_suffix('.png')}", file=sys.stderr)
@@ -502,7 +503,7 @@ def run_batch(base: str, model: str, prompts: list[list[int]], max_tokens: int, 
 def serve_and_measure(args, model: str, prompts: list[list[int]], spec: dict | None, log: Path) -> list[dict]:
     from eval.engine_check import http_get, spec_counters, vllm_server
 
-    extra = ["--speculative-config", json.dumps(spec)] if spec else []
+    extra = ["--speculative-config", dumps(spec)] if spec else []
     rows = []
     with vllm_server(args.vllm_python, model, dtype=args.dtype, log_path=log, extra_args=extra) as base:
         run_batch(base, model, prompts[:2], 8, 2)  # warm-up, untimed
@@ -551,7 +552,10 @@ def cmd_vllm(args: argparse.Namespace) -> dict:
     model = model_path(preset)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    spec = {"method": "eagle3", "model": str(Path(args.drafter).resolve()), "num_speculative_tokens": args.k}
+    from eval.engine_check import check_export
+
+    method = check_export(args.drafter, preset, tokenizer)  # the family table's vLLM method; a foreign export stops
+    spec = {"method": method, "model": str(Path(args.drafter).resolve()), "num_speculative_tokens": args.k}
     plain = serve_and_measure(args, model, prompts, None, out.with_suffix(".plain.log"))
     speculative = serve_and_measure(args, model, prompts, spec, out.with_suffix(".spec.log"))
     result = {
@@ -562,9 +566,9 @@ def cmd_vllm(args: argparse.Namespace) -> dict:
         "speedup": [{"concurrency": p["concurrency"], "speedup": s["tokens_per_s"] / p["tokens_per_s"]}
                     for p, s in zip(plain, speculative)],
     }
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    out.write_text(dumps(result, indent=1) + "\n")
     plot_vllm(result, out.with_suffix(".png"))
-    print(json.dumps(result, indent=1))
+    print(dumps(result, indent=1))
     return result
 
 
