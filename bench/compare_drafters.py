@@ -46,6 +46,8 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from data_prep.strict_json import dumps
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SUITES: dict[str, dict] = {
@@ -318,7 +320,7 @@ def scaling_report(results: dict, out: Path) -> dict:
     fig.tight_layout()
     fig.savefig(out / "scaling.png", dpi=120)
     plt.close(fig)
-    (out / "scaling.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "scaling.json").write_text(dumps(report, indent=1) + "\n")
     return report
 
 
@@ -404,8 +406,8 @@ def cmd_curve(argv: list[str]) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out.with_suffix(".png"), dpi=120)
     plt.close(fig)
-    out.write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k != "runs"} |
+    out.write_text(dumps(result, indent=1))
+    print(dumps({k: v for k, v in result.items() if k != "runs"} |
                      {"first_step_at_bar": {k: v["first_step_at_bar"] for k, v in result["runs"].items()}}, indent=1))
     return result
 
@@ -463,8 +465,8 @@ def cmd_ngram(argv: list[str]) -> dict:
         "bigram": {"accuracy": bi_hits / n, "cross_entropy": bi_nll / n},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps(result, indent=1))
+    Path(args.out).write_text(dumps(result, indent=1))
+    print(dumps(result, indent=1))
     return result
 
 
@@ -517,12 +519,12 @@ def main(argv: list[str] | None = None) -> dict:
         results.setdefault(name, {"prep": earlier["prep"], **result})
     record = {"suite": args.suite, "prep": str(args.prep), "nproc": args.nproc, "train_args": args.train_args,
               "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "results": results}
-    (out / "compare.json").write_text(json.dumps(record, indent=1) + "\n")
+    (out / "compare.json").write_text(dumps(record, indent=1) + "\n")
     (out / "compare.md").write_text(table(results))
     plot(results, out / "per_position.png")
     if args.suite == "scaling":
         record["scaling"] = scaling_report(results, out)
-    print(json.dumps(record))
+    print(dumps(record))
     print(table(results))
     return record
 

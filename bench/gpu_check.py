@@ -57,6 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the project's packages from the checkout
     sys.path.insert(0, str(ROOT))
 
+from data_prep.strict_json import dumps  # noqa: E402
+
 SECTIONS = ("attention", "zero3", "spec_decode", "train_step", "verify")
 BF16_TOL = 2e-2  # relative error of bf16 operands against an fp32 reference (bf16 keeps 8 mantissa bits)
 FP32_TOL = 1e-4  # fp32 against fp32 computed another way (another device, kernel or reduction order)
@@ -181,7 +183,7 @@ def _round(x: Any) -> Any:
 def _write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str, allow_nan=True))
+    tmp.write_text(dumps(data, indent=1, default=str))
     os.replace(tmp, path)
 
 

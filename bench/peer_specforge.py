@@ -87,6 +87,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the specforge venv has no editable install of this repo
     sys.path.insert(0, str(ROOT))
 
+from data_prep.strict_json import dumps  # noqa: E402
 from train.config import RunConfig  # noqa: E402
 
 EXPORTS = "exports"
@@ -147,7 +148,7 @@ def _peak_rss_mb() -> float:
 
 def _jsonl(path: Path, record: dict) -> None:
     with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(dumps(record) + "\n")
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -255,7 +256,7 @@ def build_peer(sf: types.SimpleNamespace, cfg: RunConfig, prep: Path, taps: list
     # SpecForge's TargetHead reads the target's config.json from a directory; its weight is the lm_head.
     tmp = Path(tempfile.mkdtemp(prefix="peer_sf_target_"))
     try:
-        (tmp / "config.json").write_text(json.dumps(target_config(prep)))
+        (tmp / "config.json").write_text(dumps(target_config(prep)))
         target_head = sf.TargetHead(str(tmp))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -451,7 +452,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         "build_s": round(time.perf_counter() - t0, 2),
     }
     _jsonl(out / TRAIN_LOG, meta)
-    print(json.dumps(meta), flush=True)
+    print(dumps(meta), flush=True)
 
     def export(step: int, wall: float) -> Path:
         path = save_peer_export(draft, ecfg, out / EXPORTS / f"step_{step}")
@@ -486,7 +487,7 @@ def cmd_train(args: argparse.Namespace) -> None:
                    "step_s": round(step_s, 3), "wall_s": round(wall, 3), "tokens": tokens, "padded_len": T_pad,
                    "micro_batches": n_micro, "epoch": epoch, "peak_rss_mb": round(_peak_rss_mb(), 1)}
             _jsonl(out / TRAIN_LOG, rec)
-            print(json.dumps({k: rec[k] for k in ("step", "loss", "lr", "grad_norm", "step_s", "tokens")}), flush=True)
+            print(dumps({k: rec[k] for k in ("step", "loss", "lr", "grad_norm", "step_s", "tokens")}), flush=True)
             if not math.isfinite(loss_sum):
                 raise SystemExit(f"peer_specforge: non-finite loss at step {step}")
             if (args.save_every and step % args.save_every == 0) or step == stop:
@@ -502,8 +503,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         lengths = split.lengths()  # a held-out sample of ~256 tokens: cheap, yet long enough to mean something
         probe = split[min(range(len(lengths)), key=lambda i: abs(lengths[i] - 256))]
         check = check_export(draft, last, head, probe, columns, n_src, t.ttt_steps, d.max_len)
-        (out / "export_check.json").write_text(json.dumps(check, indent=1))
-        print(json.dumps({"export_check": check}), flush=True)
+        (out / "export_check.json").write_text(dumps(check, indent=1))
+        print(dumps({"export_check": check}), flush=True)
         if not check["ok"]:
             raise SystemExit("peer_specforge: the export does not reproduce SpecForge's logits (export_check.json)")
 
@@ -576,7 +577,7 @@ def cmd_step(args: argparse.Namespace) -> dict:
            "build_s": round(build_s, 2), "ttt_steps": args.ttt_steps, "dtype": args.dtype, "compile": args.compile,
            "attn": "sdpa", "threads": torch.get_num_threads(), "torch": torch.__version__,
            "specforge": _version("specforge")}
-    print(json.dumps(out), flush=True)
+    print(dumps(out), flush=True)
     return out
 
 
@@ -663,7 +664,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         results.append(rec)
         if peer is not None:
             _jsonl(peer / EVAL_LOG, rec)
-        print(json.dumps({k: rec[k] for k in ("label", "step", "wall_s", "sim_tau", "acc_k")}), flush=True)
+        print(dumps({k: rec[k] for k in ("label", "step", "wall_s", "sim_tau", "acc_k")}), flush=True)
     if args.ours and peer is not None:
         compare(Path(args.ours), [r for r in results if r["label"] == "specforge"], peer / "compare.json")
 
@@ -684,7 +685,7 @@ def compare(run_dir: Path, theirs: list[dict], out: Path) -> None:
                       "theirs_step": None if p is None else p["step"], "theirs": None if p is None else p["sim_tau"]})
     result = {"ours_run": str(run_dir), "equal_steps": steps, "equal_wall": walls, "ours_curve": ours,
               "theirs_curve": [{k: r[k] for k in ("step", "wall_s", "sim_tau", "acc_k")} for r in theirs]}
-    out.write_text(json.dumps(result, indent=1))
+    out.write_text(dumps(result, indent=1))
     print("held-out sim τ at equal steps   (step: ours | SpecForge)")
     for s in steps:
         print(f"  {s['step']:>5}: {s['ours']:.4f} | {s['theirs']:.4f}")

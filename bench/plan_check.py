@@ -40,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from data_prep.strict_json import dumps  # noqa: E402
 
 TARGET = "smollm2-135m-instruct"
 VD, K, CHUNK, WARMUP_TOKENS = 32000, 7, 1024, 256
@@ -212,10 +213,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--runtime-worker", choices=("train", "bench"), default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.runtime_worker:
-        print(json.dumps(runtime_worker(args.runtime_worker)), flush=True)
+        print(dumps(runtime_worker(args.runtime_worker)), flush=True)
         return
     if args.worker is not None:
-        print(json.dumps(step_worker(args.worker, args.sources)), flush=True)
+        print(dumps(step_worker(args.worker, args.sources)), flush=True)
         return
     out = Path(args.out)
     if args.replan:  # the plan again against the measurements already recorded in --out
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         me = [sys.executable, str(Path(__file__).resolve())]
         runtime = {k: _json_lines([*me, "--runtime-worker", k], args.timeout)[0]["runtime_mb"]
                    for k in ("train", "bench")}
-        print(json.dumps({"runtime_mb": runtime}), flush=True)
+        print(dumps({"runtime_mb": runtime}), flush=True)
         measured = []
     results: list[dict] = []
     grid = [(int(t), int(r), src) for t in args.tokens.split(",") for r in args.ranks.split(",")
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
         pl = predict(tokens, ranks, source, runtime["train"])
         row = {"tokens": tokens, "ranks": ranks, "source": source, "measured_peak_mb": got["peak_rss_mb"], **pl,
                "rel_error": round(pl["plan_mb"] / got["peak_rss_mb"] - 1, 4), "per_rank": got["per_rank"]}
-        print(json.dumps({k: v for k, v in row.items() if k != "per_rank"}), flush=True)
+        print(dumps({k: v for k, v in row.items() if k != "per_rank"}), flush=True)
         results.append(row)
         write(out, runtime, results, [], grid)  # after every configuration: a crash keeps what ran
     bench_rows = []
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
         bench_rows.append({"tokens": r["seq_len"], "source_file": str(LONG_CONTEXT_FILE.relative_to(ROOT)),
                            "measured_peak_mb": r["peak_mem_mb"], **pl,
                            "rel_error": round(pl["plan_mb"] / r["peak_mem_mb"] - 1, 4)})
-        print(json.dumps(bench_rows[-1]), flush=True)
+        print(dumps(bench_rows[-1]), flush=True)
     write(out, runtime, results, bench_rows, grid)
     plot(results, bench_rows, out.with_suffix(".png"))
 
@@ -273,7 +274,7 @@ def write(out: Path, runtime: dict, results: list[dict], bench_rows: list[dict],
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=1))
+    tmp.write_text(dumps(record, indent=1))
     tmp.replace(out)
 
 

@@ -50,6 +50,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from data_prep.strict_json import dumps
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 # target geometries: what the drafter copies from the target's config
@@ -294,7 +296,7 @@ def cmd_synthetic(args: argparse.Namespace) -> list[dict]:
     if args.device is None:
         args.device = "cuda" if _cuda_available() else "cpu"
     if args.worker is not None:
-        print(json.dumps(worker(args)), flush=True)
+        print(dumps(worker(args)), flush=True)
         return []
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -302,16 +304,16 @@ def cmd_synthetic(args: argparse.Namespace) -> list[dict]:
     for n in (int(x) for x in args.seq_lens.split(",") if x):
         ours = run_length(worker_argv(args), n, args.timeout, env)
         rows.append(ours)
-        print(json.dumps(ours), flush=True)
+        print(dumps(ours), flush=True)
         if args.specforge_python:
             peer = run_json(specforge_argv(args, n), n, "specforge", args.timeout, env)
             rows.append(peer)
-            print(json.dumps(peer), flush=True)
+            print(dumps(peer), flush=True)
             if "error" not in ours and "error" not in peer:
                 print(f"T={n}: step time ours/specforge = {ours['step_s'] / peer['step_s']:.2f}, "
                       f"peak RSS ours/specforge = {ours['peak_rss_mb'] / peer['peak_rss_mb']:.2f}", flush=True)
         record = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "out")}, "rows": rows}
-        out.write_text(json.dumps(record, indent=1))  # after every length: a crash keeps what ran
+        out.write_text(dumps(record, indent=1))  # after every length: a crash keeps what ran
     plot(rows, out.with_suffix(".png"))
     print(f"results: {out}", flush=True)
     return rows
@@ -372,7 +374,7 @@ def _start_recipe(args: argparse.Namespace, prefix: str) -> Path:
 
 def _write(result: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    out.write_text(dumps(result, indent=1) + "\n")
 
 
 def cmd_recipe(args: argparse.Namespace) -> dict:
@@ -387,7 +389,7 @@ def cmd_recipe(args: argparse.Namespace) -> dict:
     if "offline" in by_mode and "online" in by_mode:
         result["online_over_offline_step_time"] = by_mode["online"]["step_s_median"] / by_mode["offline"]["step_s_median"]
     _write(result, args.out)
-    print(json.dumps({k: v for k, v in result.items() if k != "rows"} | {
+    print(dumps({k: v for k, v in result.items() if k != "rows"} | {
         "rows": [{k: v for k, v in r.items() if k != "step_s_all"} for r in rows]}, indent=1))
     return result
 
@@ -417,7 +419,7 @@ def cmd_teacher_cache(args: argparse.Namespace) -> dict:
               "cache_mb": args.cache_mb, "steps_per_epoch": per_epoch, "steps": summary["steps"], "epochs": epochs,
               "training_time_ratio": total, "max_abs_loss_difference": loss_diff}
     _write(result, args.out)
-    print(json.dumps(result, indent=1))
+    print(dumps(result, indent=1))
     return result
 
 

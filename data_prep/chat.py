@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -50,6 +49,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from data_prep.conversations import Message
+from data_prep.strict_json import dumps
 
 MessageLike = Message | Mapping[str, Any]
 _WS = re.compile(r"\s*")
@@ -368,7 +368,7 @@ def end_of_turn(
 def template_hash(tokenizer, chat_template: str | None = None) -> str:
     """Short sha256 of the chat template text and the special tokens it can refer to."""
     template = tokenizer.get_chat_template(chat_template)
-    payload = json.dumps({"template": template, "special": tokenizer.special_tokens_map}, sort_keys=True)
+    payload = dumps({"template": template, "special": tokenizer.special_tokens_map}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 

@@ -48,6 +48,7 @@ from typing import Any, Protocol
 
 from data_prep.chat import end_of_turn, render_prompt
 from data_prep.conversations import Conversation, Message
+from data_prep.strict_json import dumps
 
 STATUSES = ("ok", "error", "skipped")
 CONTEXT_FULL = "prompt leaves no room for a reply (prompt_fits)"
@@ -473,7 +474,7 @@ def regenerate(
                 "reason": w.reason,
                 **Conversation(w.conv.id, w.done, w.conv.source).to_dict(),
             }
-            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+            f.write(dumps(line, ensure_ascii=False) + "\n")
             f.flush()  # a crash loses at most the line being written
             w.finished = True
             final[w.conv.id] = w.status

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from data_prep.shards import ShardError, ShardSpec, sha256_file, spec_fields, writing
+from data_prep.strict_json import dumps
 
 RENDERED_DIR = "rendered"
 SPEC_FILE = "spec.json"
@@ -60,7 +61,7 @@ def _atomic(path: Path, write) -> None:
 def write_spec(prep_dir: Path, spec: ShardSpec, target: TargetSource) -> None:
     root = Path(prep_dir) / RENDERED_DIR
     root.mkdir(parents=True, exist_ok=True)
-    text = json.dumps({"spec": asdict(spec), "target_source": asdict(target)}, indent=1)
+    text = dumps({"spec": asdict(spec), "target_source": asdict(target)}, indent=1)
     _atomic(root / SPEC_FILE, lambda p: p.write_text(text))
 
 
@@ -86,7 +87,7 @@ def write_split(prep_dir: Path, split: str, rank: int, world: int, samples: list
     _atomic(data, lambda p: save_file(tensors, str(p)))
     info = {"file": data.name, "rank": rank, "sample_ids": [s.conversation_id for s in samples],
             "lengths": lengths, "sha256": sha256_file(data)}
-    _atomic(index, lambda p: p.write_text(json.dumps(info)))
+    _atomic(index, lambda p: p.write_text(dumps(info)))
 
 
 def has_rendered(prep_dir: Path, split: str) -> bool:

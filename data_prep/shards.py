@@ -47,6 +47,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from data_prep.strict_json import dumps
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 PREP_SUMMARY = "summary.json"  # a prep dir's last file: its presence marks the prep finished
@@ -143,7 +145,7 @@ class Manifest(ShardSpec):
         return sum(s.num_tokens for s in self.shards)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        return dumps(asdict(self), indent=1)
 
     @classmethod
     def from_file(cls, path: Path) -> Manifest:
@@ -192,7 +194,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 def write_prep_summary(prep_dir: str | Path, summary: dict) -> None:
     """The last step of a prep: its summary, written atomically, marks the prep dir finished."""
-    _atomic_write_text(Path(prep_dir) / PREP_SUMMARY, json.dumps(summary, indent=1))
+    _atomic_write_text(Path(prep_dir) / PREP_SUMMARY, dumps(summary, indent=1))
 
 
 def finished_prep(prep_dir: str | Path) -> dict:
@@ -331,7 +333,7 @@ class ShardWriter:
         path = self.root / name
         tmp = path.with_name(path.name + ".tmp")
         with writing(tmp):
-            save_file(self._pack(samples), str(tmp), metadata={"sample_ids": json.dumps([s.sample_id for s in samples])})
+            save_file(self._pack(samples), str(tmp), metadata={"sample_ids": dumps([s.sample_id for s in samples])})
         os.replace(tmp, path)
         lengths = [len(s) for s in samples]
         self.manifest.shards.append(

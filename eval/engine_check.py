@@ -30,6 +30,7 @@ from pathlib import Path
 
 from data_prep.chat import render_prompt
 from data_prep.regenerate import API_KEY_ENV
+from data_prep.strict_json import dumps
 from data_prep.targets import load_tokenizer, model_path, resolve_target
 from eval.prompts import load_prompts
 
@@ -43,7 +44,7 @@ def http_post_json(url: str, body: dict, timeout: float = 600.0) -> dict:
     headers = {"Content-Type": "application/json"}
     if os.environ.get(API_KEY_ENV):  # the key of the server vllm_server started (or the user's)
         headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
-    req = urllib.request.Request(url, json.dumps(body).encode(), headers)
+    req = urllib.request.Request(url, dumps(body).encode(), headers)
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read().decode())
 
@@ -196,7 +197,7 @@ def main() -> None:
     log = Path(args.out).with_suffix(".vllm.log") if args.out else None
     try:
         with vllm_server(args.vllm_python, model_path(preset), port=args.port, log_path=log,
-                         extra_args=["--speculative-config", json.dumps(spec)]) as base:
+                         extra_args=["--speculative-config", dumps(spec)]) as base:
             before = spec_counters(http_get(base + "/metrics"))
             for ids in prompts:
                 http_post_json(base + "/v1/completions", {"model": model_path(preset), "prompt": ids,
@@ -212,9 +213,9 @@ def main() -> None:
     result = {"engine": "vllm", "k": args.k, "num_prompts": len(prompts), "drafts": drafts, "accepted": accepted,
               "mean_acceptance_length": 1 + accepted / max(drafts, 1), "accepted_per_position": per_pos,
               "conditional_acceptance": conditional}
-    print(json.dumps(result))
+    print(dumps(result))
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        Path(args.out).write_text(dumps(result, indent=1))
 
 
 if __name__ == "__main__":

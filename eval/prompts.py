@@ -22,6 +22,8 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from data_prep.strict_json import dumps
+
 MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 PRESETS = ("mtbench",)
 
@@ -126,7 +128,7 @@ def _conversation(raw: dict, where: str) -> tuple[list[str], str | None]:
 
 
 def _short(x) -> str:
-    text = json.dumps(x, ensure_ascii=False)
+    text = dumps(x, ensure_ascii=False)
     return text if len(text) <= 60 else text[:57] + "..."
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from data_prep.strict_json import json_safe
+from data_prep.strict_json import dumps
 from eval import metrics
 from eval.budget import AdaptiveBudget, VerifyCost, choose_total_tokens
 from eval.config import EvalConfig
@@ -227,7 +227,7 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
 def write_report(report: dict, out_dir: Path, plots: bool = True) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / REPORT_FILE
-    path.write_text(json.dumps(json_safe(report), indent=1))
+    path.write_text(dumps(report, indent=1))
     if plots:
         from eval.plots import plot_accept_histogram, plot_per_position
 

@@ -14,7 +14,7 @@ the same schema; data.dir and out_dir are not needed.
 
 from launch.paths import CONF_DIR  # noqa: I001 (first: takes launch/ off sys.path)
 
-import json
+from data_prep.strict_json import dumps
 import sys
 from pathlib import Path
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if "json" in own:
         path = Path(own["json"])
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(p.as_dict(), indent=1))
+        tmp.write_text(dumps(p.as_dict(), indent=1))
         tmp.replace(path)
     return 0 if p.fits in (None, True) else 3
 

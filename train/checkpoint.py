@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from data_prep.shards import writing
+from data_prep.strict_json import dumps
 
 LATEST = "latest"
 STEP_DIR = re.compile(r"step_(\d+)")  # step_dir_name's form
@@ -115,8 +116,8 @@ def save(
             "scheduler": engine_state["scheduler"],
             **meta,
         }
-        (tmp / "state.json").write_text(json.dumps(state, indent=1, default=_json_default))
-        (tmp / DRAFTER_CONFIG).write_text(json.dumps(drafter_config, indent=1))
+        (tmp / "state.json").write_text(dumps(state, indent=1, default=_json_default))
+        (tmp / DRAFTER_CONFIG).write_text(dumps(drafter_config, indent=1))
         torch.save(rng_state(), tmp / "rng.pt")
     if final.exists():  # a rerun of the same step (e.g. resumed and re-saved): replace it
         shutil.rmtree(final)

@@ -19,6 +19,7 @@ import torch
 
 from data_prep.conversations import json_error
 from data_prep.shards import writing
+from data_prep.strict_json import dumps
 from train.config import LoggerConfig
 
 log = logging.getLogger("train")
@@ -82,7 +83,7 @@ class MetricsLogger:
         if self.path.exists():
             kept = [r for r in read_metrics(self.path) if start_step > 0 and r["step"] <= start_step]
             kept = [r for r in kept if r["kind"] != "summary"]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            self.path.write_text("".join(dumps(r) + "\n" for r in kept))
         self._file = open(self.path, "a")
         if cfg.wandb_mode != "disabled":
             import wandb
@@ -105,7 +106,7 @@ class MetricsLogger:
         if not self.enabled:
             return record
         with writing(self.path):
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write(dumps(record) + "\n")
             self._file.flush()
         if self._wandb is not None:
             self._wandb.log({f"{kind}/{k}": v for k, v in flatten(_plain(metrics)).items()}, step=step)

@@ -9,7 +9,6 @@ miss (DFlash drafts over the whole vocabulary, so its oov_rate is 0).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from data_prep.strict_json import json_safe
+from data_prep.strict_json import dumps
 from train.batch import Batch, collate
 from train.objective import Objective
 
@@ -77,6 +76,6 @@ def offline_report(
         "positions": objective.positions,
         "teacher": getattr(getattr(shard_set, "manifest", None), "teacher", None),
     }
-    (out_dir / "offline_report.json").write_text(json.dumps(json_safe(report), indent=1))
+    (out_dir / "offline_report.json").write_text(dumps(report, indent=1))
     plot_report(report, out_dir / "offline_report.png")
     return report

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
+from data_prep.strict_json import dumps
 from train.metrics import METRICS_FILE, RUN_SUMMARY
 
 
@@ -136,7 +137,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def write_summary(sweep_dir: str | Path) -> Path:
     sweep_dir = Path(sweep_dir)
     rows = collect(sweep_dir)
-    (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=1))
+    (sweep_dir / "sweep_summary.json").write_text(dumps(rows, indent=1))
     (sweep_dir / "sweep_summary.md").write_text(markdown(rows))
     plot(rows, sweep_dir / "sweep_summary.png")
     return sweep_dir / "sweep_summary.md"

@@ -30,6 +30,7 @@ from torch import Tensor
 from data_prep.config import ConfigError
 from data_prep.dirlock import LOCK_FILE, DirLock, claim
 from data_prep.preemption import Preempted, StopSignals, signal_name
+from data_prep.strict_json import dumps
 from train import checkpoint
 from train.build import load_head
 from train.config import RunConfig
@@ -420,6 +421,5 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, sign
 
 
 def _json(x) -> str:
-    import json
 
-    return json.dumps(x, indent=1, default=float)
+    return dumps(x, indent=1, default=float)
