@@ -98,3 +98,19 @@ def test_the_check_finds_a_direct_write(tmp_path: Path) -> None:
     f = tmp_path / "m.py"
     f.write_text("import json\nfrom json import dumps as d\n\ndef w(p, x):\n    p.write_text(json.dumps(x))\n")
     assert _direct_json_writes(f) == ["from json import dumps (line 2)", "json.dumps (line 5)"]
+
+
+def test_committed_results_are_strict_json() -> None:
+    """What bench/results holds (the docs' raw figures) parses with a strict parser: no NaN or Infinity."""
+    def refuse(token: str):
+        raise ValueError(f"non-standard JSON constant {token}")
+
+    files = sorted((ROOT / "bench" / "results").rglob("*.json"))
+    assert len(files) > 20
+    bad = {}
+    for f in files:
+        try:
+            json.loads(f.read_text(), parse_constant=refuse)
+        except ValueError as e:
+            bad[str(f.relative_to(ROOT))] = str(e)
+    assert not bad, bad
