@@ -12,10 +12,13 @@ checkpoint's pages are RssFile) before the load, after it and after the forward,
 and the peak of RssAnon, sampled every 5 ms. A weightless run ("none": the same worker loading the tokenizer,
 config, modules on the meta device and hooks, not the weights) gives what loading costs besides the weights; the
 weights' share of a run is its increase over the load (after the forward, and at the peak) less the weightless
-run's, on the largest rank, and vs_replicate its ratio to replicate's at the same process count. The target is
-loaded in bf16 from its fp32 checkpoint, so each process holds its own copy of what it keeps (an fp32 load would
-memory-map the file instead), and glibc returns freed blocks at once (MALLOC_MMAP_THRESHOLD_), so that RSS is live
-memory. The target's weight bytes (its parameters at that dtype) are computed from its config. RSS is not a timing:
+run's, on the largest rank, and vs_replicate its ratio to replicate's at the same process count. Each rank also
+reports the bytes of the parameters it keeps (local_weights_mib: its ZeRO-3 partition, its tensor-parallel shard or
+the whole tensor; rank 0's summed per tensor kind in rank0_local_weights_mib), and share_beyond_local_weights_mib
+is what the share holds besides them (the loader's and DeepSpeed's own memory, the allocator's slack). The target
+is loaded in bf16 from its fp32 checkpoint, so each process holds its own copy of what it keeps (an fp32 load would
+memory-map the file instead); glibc returns freed large blocks at once (MALLOC_MMAP_THRESHOLD_) and the load ends
+by trimming the heap (train/engine.py release_freed_memory, the weightless run's too), so that RSS is live memory. The target's weight bytes (its parameters at that dtype) are computed from its config. RSS is not a timing:
 it may be measured while others use the CPU. The prep is made first (stage=render, 4 conversations, 1 process)
 unless --prep gives one. Writes the JSON and a PNG beside it.
 """
@@ -31,6 +34,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from data_prep.strict_json import dumps
 
 ROOT = Path(__file__).resolve().parents[1]
 # "none": the same worker without the weights (tokenizer, config, the model's modules on the meta device, the
@@ -98,19 +103,33 @@ def worker(prep: Path, placement: str, out: Path) -> None:
     torch.distributed.barrier()
     points["after_forward"] = status_kb(*keys)
     report = {"rank": rank, "world": world, "placement": placement, "points_kb": points,
-              "peak_rss_kb": points["after_forward"]["VmHWM"], "peak_anon_kb": peak.stop()}
-    (out / f"rank{rank}.json").write_text(json.dumps(report))
+              "peak_rss_kb": points["after_forward"]["VmHWM"], "peak_anon_kb": peak.stop(),
+              "local_weights": local_weights(target.model) if placement != "none" else {}}
+    (out / f"rank{rank}.json").write_text(dumps(report))
     torch.distributed.barrier()
+
+
+def local_weights(model) -> dict[str, int]:
+    """The bytes of each of the target's parameters this rank keeps: its ZeRO-3 partition (ds_tensor), its
+    tensor-parallel shard (a DTensor's local tensor) or the whole tensor; a tied LM head counted once."""
+    found = {}
+    for name, p in model.named_parameters():
+        local = getattr(p, "ds_tensor", None)
+        if local is None:
+            local = p.to_local() if hasattr(p, "to_local") else p.data
+        found[name] = local.numel() * local.element_size()
+    return found
 
 
 def skeleton(rendered) -> None:
     """What load_frozen_target does besides reading weights: the tokenizer, the config, the model's modules (on the
-    meta device: no storage) and the capture hooks."""
+    meta device: no storage), the capture hooks and the heap's trim at the end."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from data_prep.capture import HiddenStateCapture
     from data_prep.targets import load_tokenizer, model_path, resolve_target
+    from train.engine import release_freed_memory
 
     source = rendered.target_source
     preset = resolve_target(source.model)
@@ -118,6 +137,7 @@ def skeleton(rendered) -> None:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path(preset)))
     HiddenStateCapture(model, rendered.spec.tap_layers).__enter__()
+    release_freed_memory()
 
 
 def weight_bytes(prep: Path) -> dict:
@@ -135,8 +155,9 @@ def weight_bytes(prep: Path) -> dict:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     params = sum(p.numel() for p in model.parameters())  # a tied LM head counted once
+    name, largest = max(((n, p.numel()) for n, p in model.named_parameters()), key=lambda x: x[1])
     return {"target": preset.name, "dtype": str(dtype).removeprefix("torch."), "parameters": params,
-            "bytes": params * dtype.itemsize}
+            "bytes": params * dtype.itemsize, "largest_tensor": name, "largest_tensor_mib": largest * dtype.itemsize / 2**20}
 
 
 def make_prep(work: Path) -> Path:
@@ -184,9 +205,17 @@ def measure(prep: Path, placement: str, nproc: int, work: Path) -> dict:
         "target_anon_mib": delta(r, "RssAnon", "after_forward"),
         "target_peak_anon_mib": (r["peak_anon_kb"] - r["points_kb"]["before_load"]["RssAnon"]) * mib,
         "target_file_mib": delta(r, "RssFile", "after_forward"),
+        "local_weights_mib": sum(r["local_weights"].values()) * mib / 1024,
     } for r in ranks]
     worst = {k: max(r[k] for r in per_rank) for k in per_rank[0] if k != "rank"}
-    return {"placement": placement, "processes": nproc, "per_rank": per_rank, "max_over_ranks": worst}
+    result = {"placement": placement, "processes": nproc, "per_rank": per_rank, "max_over_ranks": worst}
+    if ranks[0]["local_weights"]:  # rank 0's share of each tensor, grouped: the embedding, each kind of layer weight
+        groups: dict[str, float] = {}
+        for name, size in ranks[0]["local_weights"].items():
+            kind = ".".join(part for part in name.split(".") if not part.isdigit())  # layers.N.x -> layers.x
+            groups[kind] = groups.get(kind, 0.0) + size / 2**20
+        result["rank0_local_weights_mib"] = groups
+    return result
 
 
 def plot(result: dict, path: Path) -> None:
@@ -240,11 +269,15 @@ def main() -> None:
     for r in runs:
         if "weights_share_mib" in r and r["processes"] in base:
             r["vs_replicate"] = {k: r["weights_share_mib"][k] / base[r["processes"]][k] for k in SHARE_KEYS}
+        if "weights_share_mib" in r:  # what the share holds besides the weights this rank keeps
+            local = r["max_over_ranks"]["local_weights_mib"]
+            r["share_beyond_local_weights_mib"] = {k: r["weights_share_mib"][k] - local
+                                                   for k in ("target_rss_mib", "target_anon_mib")}
     result = {"weights": weights, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    args.out.write_text(dumps(result, indent=1))
     plot(result, args.out.with_suffix(".png"))
-    print(json.dumps(result, indent=1))
+    print(dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -189,9 +189,12 @@ from train.config import DataConfig, DeepSpeedConfig
 from train.engine import device, init_distributed, partition_frozen
 from train.online import load_frozen_target
 
-calls = []
+calls, inits = [], []
 loader = mu._load_state_dict_into_zero3_model
 mu._load_state_dict_into_zero3_model = lambda *a, **k: calls.append(1) or loader(*a, **k)
+import deepspeed
+enter = deepspeed.zero.Init.__enter__
+deepspeed.zero.Init.__enter__ = lambda self: inits.append(1) or enter(self)
 prep, out = sys.argv[1], sys.argv[2]
 rank, world = init_distributed("gloo")
 ds = DeepSpeedConfig(stage3_param_persistence_threshold=0)
@@ -201,7 +204,7 @@ target = load_frozen_target(rendered, DataConfig(dir=prep, source="online", targ
 params = list(target.model.parameters())
 sample = target.samples([rendered[rank]])[0]
 torch.save({"taps": sample.taps, "teacher": sample.teacher_hidden}, f"{out}/r{rank}.pt")
-json.dump({"zero3_loads": len(calls), "partitioned": all(hasattr(p, "ds_id") for p in params),
+json.dump({"zero3_loads": len(calls), "zero_inits": len(inits), "partitioned": all(hasattr(p, "ds_id") for p in params),
            "local": sum(p.ds_tensor.numel() for p in params), "whole": sum(p.ds_numel for p in params),
            "tensors": len(params),
            "still_enabled": is_deepspeed_zero3_enabled()}, open(f"{out}/r{rank}.json", "w"))
@@ -226,6 +229,7 @@ def test_zero3_target_is_partitioned_as_it_loads(tmp_path, tiny_prep_dir) -> Non
     for rank in range(2):
         got = json.loads((tmp_path / f"r{rank}.json").read_text())
         assert got["zero3_loads"] == 1 and got["partitioned"] and not got["still_enabled"], got
+        assert got["zero_inits"] >= 1, got  # the modules built under deepspeed.zero.Init: partitioned as each is made
         assert got["local"] * 2 <= got["whole"] + 2 * got["tensors"], got  # half of each tensor (+ its padding)
         ref = whole.samples([rendered[rank]])[0]
         feats = torch.load(tmp_path / f"r{rank}.pt")

@@ -195,6 +195,22 @@ def partitioned_at_load(dtype: torch.dtype, ds_cfg: DeepSpeedConfig) -> Iterator
         del alive
 
 
+def release_freed_memory() -> None:
+    """Hand the pages the heap keeps after frees back to the system (glibc's malloc_trim; nothing elsewhere).
+    Loading a target builds and drops many temporaries (ZeRO-3 builds each layer whole, then partitions it, then
+    gathers and re-partitions it to copy the checkpoint in): their freed chunks stay resident in the allocator's
+    arenas, counted in the process's RSS for the whole run, unless trimmed once the load is done."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
+
+
 @contextlib.contextmanager
 def gathered(params: Sequence[nn.Parameter]) -> Iterator[None]:
     """ZeRO-3 partitioned parameters whole inside (a collective); plain tensors pass through."""

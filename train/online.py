@@ -130,6 +130,7 @@ def load_frozen_target(rendered: RenderedSet, cfg: DataConfig, device: torch.dev
         tensor_parallel_group,
     )
     from models.target_head import TargetHead
+    from train.engine import release_freed_memory
 
     source: TargetSource = rendered.target_source
     ref = cfg.target or source.model
@@ -169,6 +170,7 @@ def load_frozen_target(rendered: RenderedSet, cfg: DataConfig, device: torch.dev
     # the LM head stays out of the ZeRO-3 engine: capture never calls it
     placement = partition(base_model(model)) if partition is not None else None
     capture = HiddenStateCapture(model, spec.tap_layers).__enter__()
+    release_freed_memory()  # the load's temporaries (a ZeRO-3 load's whole layers, a dtype cast's source), freed
     return FrozenTarget(model, capture, head, spec, device, placement, tensor_parallel_group(model))
 
 
