@@ -23,6 +23,7 @@ bench/results/vllm_capture.json (+ .png):
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 import time
@@ -34,6 +35,7 @@ from data_prep.strict_json import dumps
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROBE = 2  # samples checked as prep checks its probe batch
+ENGINE_KWARGS = {"enforce_eager": True}
 TARGET = "smollm2-135m-instruct"
 
 
@@ -73,13 +75,14 @@ def _hf_capture(model, head, tap_layers, samples, batch_tokens: int = 8192) -> t
     return got, seconds
 
 
-def _vllm_capture(python: str, preset, tap_layers, samples, work_dir: Path, max_len: int) -> tuple[dict, dict]:
+def _vllm_capture(python: str, preset, tap_layers, samples, work_dir: Path, max_len: int,
+                  engine_kwargs: dict | None = None) -> tuple[dict, dict]:
     from data_prep.targets import model_path
     from data_prep.vllm_capture import VLLMJob, stream_features
 
     job = VLLMJob(python=python, model=model_path(preset), dtype="float32", max_model_len=max_len + 1,
                   tap_layers=tap_layers, num_layers=preset.num_layers, hidden_size=preset.hidden_size,
-                  work_dir=work_dir / "vllm", engine_kwargs={"enforce_eager": True},
+                  work_dir=work_dir / "vllm", engine_kwargs=ENGINE_KWARGS if engine_kwargs is None else engine_kwargs,
                   log_path=work_dir / "vllm_capture.log")
     got = {}
     start = time.perf_counter()
@@ -175,9 +178,25 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(RESULTS / "vllm_capture.json"))
+    p.add_argument("--engine-only", metavar="ENGINE_KWARGS_JSON",
+                   help="time only vLLM's capture with these vllm.LLM arguments (e.g. '{\"max_num_batched_tokens\": "
+                        "2048}'), print its throughput, write nothing")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     samples = rendered_samples(args.samples, args.max_len)
+    if args.engine_only is not None:
+        from data_prep.targets import resolve_target
+
+        preset = resolve_target(TARGET)
+        kwargs = json.loads(args.engine_only)
+        with tempfile.TemporaryDirectory(prefix="vllm_capture.") as tmp:
+            _, stats = _vllm_capture(args.vllm_python, preset, list(preset.tap_layers), samples, Path(tmp),
+                                     args.max_len, kwargs)
+        tokens = sum(len(s.input_ids) for s in samples)
+        print(dumps({"engine_kwargs": kwargs, "tokens": tokens,
+                     "capture_tokens_per_s": tokens / (stats["wall_s"] - stats["startup_s"]),
+                     "engine_tokens_per_s": tokens / stats["capture_s"], "startup_s": stats["startup_s"]}))
+        return
     with tempfile.TemporaryDirectory(prefix="vllm_capture.") as tmp:
         result = compare(samples, args.vllm_python, Path(tmp), args.max_len)
     result["threads"] = args.threads
