@@ -20,7 +20,7 @@ PREP_DIR ?= $(OUT)/prep/$(MODEL)
 RUN_DIR ?= $(OUT)/runs/demo
 EXP ?= eagle3_ttt
 ARGS ?=
-# What `make demo` runs: the embedded target, 2 processes, 25 minutes on 2 CPU cores in all (measured cold; docs/results.md).
+# What `make demo` runs: the embedded target, 2 processes, 25 to 36 minutes cold on 2 CPU cores by the host's speed (docs/results.md).
 DEMO_PREP_ARGS ?= max_len=1024
 DEMO_EVAL_ARGS ?= decode.mode=tree decode.temperature=0 decode.num_prompts=10 decode.max_new_tokens=128 \
 	decode.auto_total_tokens=true threads=2
