@@ -160,7 +160,7 @@ $(SPECFORGE_VENV)/bin/python:
 # `make gpu-wheels` travel with the call. DRY_RUN=1: the same sections on this CPU at tiny sizes (fp32, gloo,
 # the CPU attention backends), JSON in a temporary directory; tests/test_gpu_check.py runs it in `make test`.
 # The one device call (the `run` tool; carry [".whl"], timeout_s 540), after `make gpu-wheels` here:
-#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --out $OUT/gpu_check.json 2>&1 | tee $OUT/gpu_check.log
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .gpu-site .whl/*.whl && export PYTHONPATH=$PWD/.gpu-site || exit; PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --out $OUT/gpu_check.json 2>&1 | tee $OUT/gpu_check.log
 GPU_CHECK_ARGS ?=
 gpu-check: $(if $(filter-out 0,$(DRY_RUN)),setup)
 	$(if $(filter-out 0,$(DRY_RUN)),$(BIN)/python,python3) bench/gpu_check.py \

@@ -73,7 +73,7 @@ from pathlib import Path
 from typing import Any
 
 # Inductor (SpecForge's @torch.compile decorators) forks one compile worker per core by default, and caches
-# kernels under /tmp/torchinductor_<user>; keep both small and private unless the caller chose otherwise: the cache
+# kernels in torchinductor_<user> of the system temp directory; keep both small and private unless the caller chose otherwise: the cache
 # goes to a fresh directory only this user can open (mkdtemp: unpredictable name, mode 0700; a fixed name in the
 # shared temp directory could be created first, or linked elsewhere, by another user), removed at exit.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")

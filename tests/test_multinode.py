@@ -26,18 +26,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import train_runs
 from safetensors.torch import load_file
 from synthetic_prep import write_synthetic_prep
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = [
-    "+exp=debug", "train.max_steps=4", "train.epochs=2", "train.ttt_steps=3", "train.chunk_size=8",
-    "data.batch_size=4", "data.eval_batch_size=2", "data.eval_max_samples=4", "train.eval_interval=2",
-    "train.save_interval=2", "train.keep_checkpoints=5", "train.export=true", "train.warmup_steps=1",
-    "deepspeed.zero_stage=3", "deepspeed.stage3_param_persistence_threshold=0",
-]
+# train_runs' recipe with the export on: it is written once, by rank 0 of node 0
+COMMON = [a.replace("train.export=false", "train.export=true") for a in train_runs.COMMON]
 LOSS_RTOL = 1e-5  # 2 nodes x 1 against 1 x 2 (the same ranks and reduction: measured bit-identical)
 
 
