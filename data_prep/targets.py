@@ -321,9 +321,9 @@ def load_target_head(preset: TargetPreset, dtype: str | None = None):
 
     from models.target_head import EMBED_KEY, LM_HEAD_KEY, HeadSpec, TargetHead, final_norm
 
-    load_target_config(preset)  # the preset's geometry checked against its config.json
     with _named_load_errors(preset):
         config = AutoConfig.from_pretrained(model_path(preset), revision=_revision(preset))
+    check_preset(preset, config.to_dict(), f"{model_path(preset)}/config.json")  # as load_target_config does
     torch_dtype = getattr(torch, dtype or preset.dtype)
     with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (Gemma's embed_scale) real
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
