@@ -78,20 +78,24 @@ def _hf_capture(model, head, tap_layers, samples, batch_tokens: int = 8192) -> t
 def _vllm_capture(python: str, preset, tap_layers, samples, work_dir: Path, max_len: int,
                   engine_kwargs: dict | None = None) -> tuple[dict, dict]:
     from data_prep.targets import model_path
-    from data_prep.vllm_capture import VLLMJob, stream_features
+    from data_prep.vllm_capture import VLLMJob, engine_layer_ids, stream_features
+    from data_prep.vllm_engine import EngineSpec, VLLMEngine
 
-    job = VLLMJob(python=python, model=model_path(preset), dtype="float32", max_model_len=max_len + 1,
-                  tap_layers=tap_layers, num_layers=preset.num_layers, hidden_size=preset.hidden_size,
-                  work_dir=work_dir / "vllm", engine_kwargs=ENGINE_KWARGS if engine_kwargs is None else engine_kwargs,
-                  log_path=work_dir / "vllm_capture.log")
+    spec = EngineSpec(python=python, model=model_path(preset), dtype="float32", max_model_len=max_len + 1,
+                      layer_ids=engine_layer_ids(tap_layers, preset.num_layers),
+                      engine_kwargs=ENGINE_KWARGS if engine_kwargs is None else engine_kwargs)
     got = {}
     start = time.perf_counter()
-    probe = frozenset(s.conversation_id for s in samples[:PROBE])  # vLLM's top-1 at every position of these
-    for key, taps, final, engine in stream_features(job, [(s.conversation_id, s.input_ids) for s in samples],
-                                                    logprobs=probe):
-        got[key] = (taps, final, engine)
-    wall = time.perf_counter() - start
-    return got, {"wall_s": wall, **job.stats}
+    with VLLMEngine(spec, work_dir / "engine", log_path=work_dir / "vllm_capture.log") as engine:
+        engine.wait_ready()
+        job = VLLMJob(engine=engine, tap_layers=tap_layers, num_layers=preset.num_layers,
+                      hidden_size=preset.hidden_size, work_dir=work_dir / "vllm")
+        probe = frozenset(s.conversation_id for s in samples[:PROBE])  # vLLM's top-1 at every position of these
+        for key, taps, final, choice in stream_features(job, [(s.conversation_id, s.input_ids) for s in samples],
+                                                        logprobs=probe):
+            got[key] = (taps, final, choice)
+        wall = time.perf_counter() - start
+    return got, {"wall_s": wall, "startup_s": engine.startup_s, **job.stats}
 
 
 def _diff(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> dict:

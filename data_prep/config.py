@@ -17,7 +17,10 @@ class ConfigError(ValueError):
 
 # Prep keys renamed so that prep, training and evaluation name each concept once (data.max_len in training):
 # old -> new. An old key is refused, naming the new one (`refuse_renamed`, `check_keys`).
-RENAMED_KEYS = {"max_length": "max_len"}
+RENAMED_KEYS = {"max_length": "max_len",
+                # prep's one vLLM engine serves regeneration (regen.backend=vllm) and capture (capture.engine=vllm)
+                **{f"capture.vllm.{k}": f"vllm.{k}"
+                   for k in ("python", "tensor_parallel_size", "pipeline_parallel_size", "engine_kwargs")}}
 
 
 def refuse_renamed(overrides: list[str], renamed: dict[str, str]) -> None:
@@ -33,7 +36,9 @@ def refuse_renamed(overrides: list[str], renamed: dict[str, str]) -> None:
 @dataclass
 class RegenConfig:
     enabled: bool = True  # False: train on the dataset's own responses
-    backend: str = "hf"  # hf (batched generate on the target) | openai (any OpenAI-compatible server)
+    # hf (batched generate on the target) | vllm (prep's vLLM engine, `vllm.*`: the one that captures with
+    # capture.engine=vllm) | openai (any OpenAI-compatible server)
+    backend: str = "hf"
     # regenerate the first N assistant turns and cut the rest (counted: later_turns_dropped); None = all
     max_turns: int | None = 1
     max_new_tokens: int = 256
@@ -56,14 +61,21 @@ class RegenConfig:
 
 
 @dataclass
-class VLLMCaptureConfig:
-    """capture.engine=vllm: vLLM's own hidden-state extraction (data_prep/vllm_capture.py), one engine per prep rank."""
+class VLLMConfig:
+    """Prep's vLLM engine (data_prep/vllm_engine.py), one per prep rank: it regenerates with regen.backend=vllm and
+    captures with capture.engine=vllm, the same engine for both."""
 
     python: str | None = None  # the python of a vLLM install (its own venv); None: this one, if it imports vllm
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     # any other vllm.LLM argument (e.g. distributed_executor_backend: ray, gpu_memory_utilization, enforce_eager)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class VLLMCaptureConfig:
+    """capture.engine=vllm: vLLM's own hidden-state extraction (data_prep/vllm_capture.py) on prep's engine."""
+
     max_pending_files: int = 64  # captured files the engine may be ahead of the shard writer (disk use)
     chunk_tokens: int = 65536  # prompt tokens per vLLM generate call
     # What the probe batch's vLLM capture is checked against before any sample is written. engine: the prep's
@@ -120,12 +132,18 @@ class PrepConfig:
     device: str | None = None  # None: cuda if available, else cpu
     regen: RegenConfig = field(default_factory=RegenConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+
+    def uses_vllm(self) -> bool:
+        """Whether prep starts its vLLM engine: regeneration on it, or the capture through it."""
+        return (self.regen.enabled and self.regen.backend == "vllm" and self.stage != "vocab") or (
+            self.capture.engine == "vllm" and self.stage == "all")
 
     def validate(self) -> None:
         if self.overflow not in ("truncate", "drop"):
             raise ValueError(f"overflow must be truncate|drop, got {self.overflow!r}")
-        if self.regen.backend not in ("hf", "openai"):
-            raise ValueError(f"regen.backend must be hf|openai, got {self.regen.backend!r}")
+        if self.regen.backend not in ("hf", "openai", "vllm"):
+            raise ValueError(f"regen.backend must be hf|openai|vllm, got {self.regen.backend!r}")
         if self.regen.on_length not in ("unmask", "drop"):
             raise ValueError(f"regen.on_length must be unmask|drop, got {self.regen.on_length!r}")
         if self.regen.api_key is not None:  # the value is never printed
@@ -154,22 +172,23 @@ class PrepConfig:
         c = self.capture
         if c.engine not in ("hf", "vllm"):
             raise ValueError(f"capture.engine must be hf|vllm, got {c.engine!r}")
-        if c.engine != "vllm":
-            return
-        if c.tensor_parallel_size != 1:
-            raise ValueError("capture.tensor_parallel_size splits the transformers target (capture.engine=hf); "
-                             "with capture.engine=vllm set capture.vllm.tensor_parallel_size")
+        if self.uses_vllm() and c.tensor_parallel_size != 1:
+            raise ValueError("capture.tensor_parallel_size splits the transformers target (capture.engine=hf, "
+                             "regen.backend=hf); prep's vLLM engine is split by vllm.tensor_parallel_size")
         if c.vllm.fidelity not in ("engine", "hf"):
             raise ValueError(f"capture.vllm.fidelity must be engine|hf, got {c.vllm.fidelity!r}")
-        for key in ("tensor_parallel_size", "pipeline_parallel_size", "max_pending_files", "chunk_tokens"):
+        for key in ("max_pending_files", "chunk_tokens"):
             if getattr(c.vllm, key) < 1:
                 raise ValueError(f"capture.vllm.{key} must be >= 1, got {getattr(c.vllm, key)}")
-        from data_prep.vllm_capture import RESERVED_ENGINE_KWARGS
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self.vllm, key) < 1:
+                raise ValueError(f"vllm.{key} must be >= 1, got {getattr(self.vllm, key)}")
+        from data_prep.vllm_engine import RESERVED_ENGINE_KWARGS
 
-        taken = sorted(set(c.vllm.engine_kwargs) & set(RESERVED_ENGINE_KWARGS))
+        taken = sorted(set(self.vllm.engine_kwargs) & set(RESERVED_ENGINE_KWARGS))
         if taken:
-            raise ValueError(f"capture.vllm.engine_kwargs sets {taken}, which the capture sets itself (the model, "
-                             "dtype and max_model_len are prep's; the parallel sizes are capture.vllm's own keys)")
+            raise ValueError(f"vllm.engine_kwargs sets {taken}, which prep sets itself (the model, dtype and "
+                             "max_model_len are prep's; the parallel sizes are vllm's own keys)")
 
 
 HELD_OUT_FRACTION, HELD_OUT_MIN, HELD_OUT_MAX = 0.1, 2, 40

@@ -19,7 +19,11 @@ Output directory (the prep contract; the shard format itself is documented in da
 
 Before the target's weights load, `preflight` refuses what training would refuse (RoPE layout, geometry, tap
 ids) and a tokenizer without a chat template; right after, before any regeneration, data_prep/fidelity.py checks
-on a probe batch that the head and taps the prep stores reproduce the target's own computation.
+on a probe batch that the head and taps the prep stores reproduce the target's own computation (with
+regen.backend=vllm the transformers target loads after the regeneration, and the check runs then).
+
+Prep's vLLM engine (data_prep/vllm_engine.py, one per part) starts first when regen.backend=vllm or
+capture.engine=vllm: the engine that regenerates is the engine that captures.
 
 Work is split across torchrun ranks by position (sample i goes to rank i % world); each rank writes
 its own shards and the last step (rank 0) merges the manifests. With capture.tensor_parallel_size=t the target is
@@ -36,7 +40,7 @@ import json
 import os
 import time
 from collections import Counter
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -79,10 +83,12 @@ from data_prep.strict_json import dumps
 from data_prep.targets import (
     TargetPreset,
     check_tensor_parallel,
+    generation_eos,
     load_target,
     load_target_config,
     load_target_head,
     load_tokenizer,
+    model_path,
     resolve_target,
     tensor_parallel_group,
 )
@@ -181,15 +187,19 @@ def plan_regeneration(cfg: PrepConfig, preset: TargetPreset, tokenizer, convs: l
     return kept, len(convs) - len(kept)
 
 
-def regenerate_split(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, convs, path: Path):
-    """Replace assistant turns by the target's own replies; returns the ok conversations and counts."""
-    from data_prep.regenerate import HFBackend, OpenAIBackend, load_regenerated, regenerate
+def regenerate_split(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, convs, path: Path, engine=None):
+    """Replace assistant turns by the target's own replies; returns the ok conversations and counts. `model`: the
+    transformers target (regen.backend=hf); `engine`: prep's vLLM engine (regen.backend=vllm)."""
+    from data_prep.regenerate import HFBackend, OpenAIBackend, VLLMBackend, load_regenerated, regenerate
 
     r = cfg.regen
     kwargs = template_kwargs(cfg, preset)
     thinking = r.enable_thinking if r.enable_thinking is not None else preset.enable_thinking
     if r.backend == "hf":
         backend = HFBackend(model, tokenizer, enable_thinking=thinking)
+    elif r.backend == "vllm":
+        backend = VLLMBackend(engine, tokenizer, eos_token_id=generation_eos(preset), enable_thinking=thinking,
+                              seed=cfg.seed)
     else:
         backend = OpenAIBackend(
             base_url=r.base_url,
@@ -524,18 +534,20 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
     splits, loader_skips = select_conversations(cfg)
     cfg = replace(cfg, eval_samples=len(splits["eval"]))  # the default's share, as summary.json records it
     preflight(cfg, preset, tap_layers)
-    vllm_python = None  # capture.engine=vllm: its python, checked before any weights load
-    if cfg.capture.engine == "vllm" and cfg.stage == "all":
-        from data_prep import vllm_capture
+    vllm_python = None  # prep's vLLM engine (regen.backend=vllm, capture.engine=vllm): its python, checked first
+    if cfg.uses_vllm():
+        from data_prep import vllm_engine
 
-        vllm_python = vllm_capture.ready(cfg.capture.vllm.python)
+        vllm_python = vllm_engine.ready(cfg.vllm.python)
     tp_size = cfg.capture.tensor_parallel_size
+    regen_on_vllm = cfg.regen.enabled and cfg.regen.backend == "vllm"
+    capture_on_vllm = cfg.capture.engine == "vllm" and cfg.stage == "all"
     model = None  # the transformers target, where prep runs its forward (runs_hf_target)
-    if runs_hf_target(cfg):
+    if runs_hf_target(cfg) and not regen_on_vllm:
         model, tokenizer = load_target(preset, cfg.dtype, device, chat_template=cfg.chat_template,
                                        tensor_parallel=tp_size)
         head, target_config = TargetHead.from_hf_model(model), model.config
-    else:  # vLLM holds the layers; prep reads the head's tensors alone
+    else:  # vLLM holds the layers (or regenerates before the transformers target loads): the head's tensors alone
         tokenizer = load_tokenizer(preset, cfg.chat_template)
         head, target_config = load_target_head(preset, cfg.dtype)
         head = head.to(device)
@@ -561,20 +573,49 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
     regen_summary: dict = {}
     capture_seconds = 0.0
     vllm_splits: dict = {}  # capture.engine=vllm: split -> (rendered, shard root), captured by one engine below
-    with HiddenStateCapture(model, tap_layers) if model is not None else nullcontext() as capture:
-        probe = probe_batch(tokenizer, splits["train"], cfg.max_len, template_kwargs(cfg, preset))
-        fidelity: dict = {}
-        if model is not None:
+    probe = probe_batch(tokenizer, splits["train"], cfg.max_len, template_kwargs(cfg, preset))
+    fidelity: dict = {}
+    with ExitStack() as stack:
+        engine = None
+        if vllm_python is not None:  # built in the background while this process goes on
+            from data_prep.vllm_capture import engine_layer_ids
+            from data_prep.vllm_engine import EngineSpec, VLLMEngine
+
+            engine = stack.enter_context(VLLMEngine(
+                EngineSpec(python=vllm_python, model=model_path(preset), dtype=cfg.dtype or preset.dtype,
+                           max_model_len=cfg.max_len + 1,
+                           layer_ids=engine_layer_ids(tap_layers, preset.num_layers) if capture_on_vllm else [],
+                           tensor_parallel_size=cfg.vllm.tensor_parallel_size,
+                           pipeline_parallel_size=cfg.vllm.pipeline_parallel_size,
+                           engine_kwargs=dict(cfg.vllm.engine_kwargs)),
+                out / f".vllm_engine.r{part}", log_path=out / f"vllm.r{part}.log"))
+        capture = None
+
+        def attach_target() -> None:
+            """The transformers target's hooks, and the fidelity probe on them before anything of it is used."""
+            nonlocal capture, fidelity
+            capture = stack.enter_context(HiddenStateCapture(model, tap_layers))
             fidelity = check_fidelity(model, head, capture, *(x.to(device) for x in probe))
             if rank == 0:
                 print_fidelity(fidelity)
-        for split in SPLITS:
-            mine = splits[split][part::parts]
-            if cfg.regen.enabled:
+
+        if model is not None:
+            attach_target()
+        mine_by_split = {split: splits[split][part::parts] for split in SPLITS}
+        if cfg.regen.enabled:
+            for split, mine in mine_by_split.items():
                 mine, too_long = plan_regeneration(cfg, preset, tokenizer, mine)
                 counts["regen: first prompt leaves no room for a reply under max_len"] += too_long
                 path = _regen_path(out, split, part, group, cfg.seed)
-                mine, regen_summary[split] = regenerate_split(cfg, preset, model, tokenizer, mine, path)
+                mine_by_split[split], regen_summary[split] = regenerate_split(cfg, preset, model, tokenizer, mine,
+                                                                              path, engine)
+        if engine is not None and not capture_on_vllm:
+            engine.close()  # regeneration done: the device is the transformers target's now
+        if runs_hf_target(cfg) and model is None:  # regenerated on vLLM: the transformers target loads now
+            model, tokenizer = load_target(preset, cfg.dtype, device, chat_template=cfg.chat_template,
+                                           tensor_parallel=tp_size)
+            attach_target()
+        for split, mine in mine_by_split.items():
             rendered, render_counts = render_all(cfg, tokenizer, mine, preset)
             counts.update(render_counts)
             rendered = capture_order(rendered)
@@ -582,15 +623,17 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
                 write_split(out, split, part, parts, rendered)
             if cfg.stage == "render":
                 continue
-            if vllm_python is not None:
+            if capture_on_vllm:
                 vllm_splits[split] = (rendered, out / split)
                 continue
             stats = capture_split(cfg, head, capture, spec, rendered, out / split, part, device, group)
             counts["captured_tokens"] += stats["tokens"]
             capture_seconds += stats["seconds"]
         if vllm_splits:
+            from data_prep import vllm_capture
+
             vllm_stats, fidelity["vllm"] = vllm_capture.capture_prep(
-                cfg, preset, model, head, spec, tap_layers, vllm_splits, part, probe, out, vllm_python)
+                cfg, preset, model, head, spec, tap_layers, vllm_splits, part, probe, out, engine)
             counts["captured_tokens"] += sum(st["tokens"] for st in vllm_stats.values())
             capture_seconds += sum(st["seconds"] for st in vllm_stats.values())
     if cfg.draft_vocab_count == "dataset" and writes:

@@ -3,7 +3,8 @@
 Turn by turn, in order: the reply to the conversation so far (original user turns + the replies
 already regenerated) replaces the dataset's reply. Backends share one small interface
 (:class:`Backend`): ``hf`` runs a transformers CausalLM (batched ``generate``, KV cache, left padding,
-the conversations of a batch advance one turn index at a time); ``openai`` calls any
+the conversations of a batch advance one turn index at a time); ``vllm`` sends the same token-id prompts to
+prep's vLLM engine (data_prep/vllm_engine.py), the one that captures with capture.engine=vllm; ``openai`` calls any
 OpenAI-compatible chat-completions server (vLLM, SGLang, ...) from a thread pool with a timeout and
 retries with exponential backoff.
 
@@ -12,7 +13,7 @@ Output: JSONL, one line per conversation, appended and flushed as each conversat
     {"id", "status": "ok"|"error"|"skipped", "reason", "messages": [{"role", "content"[, "reasoning", "cut",
      "token_ids"]}], "source"}
 
-A regenerated reply carries ``"cut": true`` when it stopped at ``max_new_tokens`` and, from the hf backend,
+A regenerated reply carries ``"cut": true`` when it stopped at ``max_new_tokens`` and, from the hf and vllm backends,
 ``"token_ids"``: the ids the target generated for its content (data_prep/chat.py puts exactly those in the sample).
 
 - ok: every assistant turn (up to ``max_turns``; the later ones are cut and counted in
@@ -78,8 +79,8 @@ class Reply:
     reasoning: str | None = None
     error: str | None = None  # the request failed (after retries)
     skip: str | None = None  # the request was not made (e.g. prompt too long)
-    truncated: bool = False  # stopped by max_new_tokens (hf: no stop token generated; openai: finish_reason "length")
-    # hf: the ids generated for `content` where decoding and re-encoding them gives other ids (Message.token_ids)
+    truncated: bool = False  # stopped by max_new_tokens (hf: no stop token generated; vllm, openai: finish_reason "length")
+    # hf, vllm: the ids generated for `content` where decoding and re-encoding them gives other ids (Message.token_ids)
     token_ids: tuple[int, ...] | None = None
 
 
@@ -111,25 +112,27 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
 # Backends
 
 
-class HFBackend:
-    """A transformers CausalLM + its tokenizer: left-padded batched `generate` with a KV cache."""
+class TemplateBackend:
+    """A backend that renders each prompt with the target's chat template, generates token ids and decodes them
+    itself (hf, vllm): the reply's ids are known, so `Reply.token_ids` can carry them. Subclasses give
+    `_generate_ids(prompt ids, params, stop ids) -> [(generated ids, stopped by max_new_tokens)]`."""
+
+    where = "a template backend"  # what RegenerationError names
 
     def __init__(
         self,
-        model,
         tokenizer,
         *,
+        eos_token_id: int | list[int] | None = None,
+        max_positions: int | None = None,
         chat_template: str | None = None,
         enable_thinking: bool | None = None,
-        generate_kwargs: dict | None = None,
     ):
-        self.model, self.tok, self.chat_template = model, tokenizer, chat_template
+        self.tok, self.chat_template = tokenizer, chat_template
         self.enable_thinking = enable_thinking  # default for SamplingParams.enable_thinking
-        self.generate_kwargs = dict(generate_kwargs or {})
-        self.max_positions = getattr(model.config, "max_position_embeddings", None)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.eos = eos_token_id
+        self.max_positions = max_positions
         self._stop_cache: dict[Any, list[int]] = {}
-        self.where = f"hf generate on {next(model.parameters()).device}"  # named by RegenerationError
         self._strip = [s for s in tokenizer.all_special_tokens if s]
 
     def _stop_ids(self, kw: dict) -> list[int]:
@@ -139,19 +142,12 @@ class HFBackend:
             eot = end_of_turn(self.tok, chat_template=self.chat_template, template_kwargs=kw)
             if eot is not None:
                 ids.update(self.tok(eot, add_special_tokens=False)["input_ids"][-1:])
-            cfg = getattr(self.model, "generation_config", None)
-            eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+            eos = self.eos
             ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
             if not ids and self.tok.eos_token_id is not None:
                 ids.add(self.tok.eos_token_id)
             self._stop_cache[key] = sorted(ids)
         return self._stop_cache[key]
-
-    def _decode(self, ids: list[int], stop: list[int]) -> tuple[list[int], str, bool]:
-        cut = next((j for j, t in enumerate(ids) if t in stop), None)
-        ids = ids if cut is None else ids[:cut]
-        text = self.tok.decode(ids, skip_special_tokens=False)
-        return ids, text, cut is None
 
     def _ids_of(self, ids: list[int], content: str) -> tuple[int, ...] | None:
         """The generated ids whose decoding is exactly `content` (whitespace-only tokens at either end dropped, as
@@ -163,9 +159,11 @@ class HFBackend:
             j -= 1
         return tuple(ids[i:j]) if content and self.tok.decode(ids[i:j], skip_special_tokens=False) == content else None
 
-    def generate(self, prompts: Sequence[Sequence[Message]], params: SamplingParams) -> list[Reply]:
-        import torch
+    def _generate_ids(self, prompts: list[list[int]], params: SamplingParams,
+                      stop: list[int]) -> list[tuple[list[int], bool]]:
+        raise NotImplementedError
 
+    def generate(self, prompts: Sequence[Sequence[Message]], params: SamplingParams) -> list[Reply]:
         kw = {} if params.enable_thinking is None else {"enable_thinking": params.enable_thinking}
         replies: list[Reply | None] = [None] * len(prompts)
         encoded: list[tuple[int, list[int]]] = []
@@ -183,34 +181,16 @@ class HFBackend:
             encoded.append((i, ids))
         if encoded:
             stop = self._stop_ids(kw)
-            width = max(len(ids) for _, ids in encoded)
-            device = next(self.model.parameters()).device
-            input_ids = torch.tensor(
-                [[self.pad_id] * (width - len(ids)) + ids for _, ids in encoded], device=device
-            )
-            attn = torch.tensor(
-                [[0] * (width - len(ids)) + [1] * len(ids) for _, ids in encoded], device=device
-            )
-            sample = params.temperature > 0
-            gen_kw = dict(
-                max_new_tokens=params.max_new_tokens,
-                do_sample=sample,
-                eos_token_id=stop,
-                pad_token_id=self.pad_id,
-                use_cache=True,
-            )
-            if sample:
-                gen_kw.update(temperature=params.temperature, top_p=params.top_p)
-            gen_kw.update(self.generate_kwargs)
             try:
-                with torch.inference_mode():
-                    out = self.model.generate(input_ids=input_ids, attention_mask=attn, **gen_kw)
+                generated = self._generate_ids([ids for _, ids in encoded], params, stop)
             except Exception as err:  # noqa: BLE001 - e.g. out of memory: fail this batch, not the job
                 for i, _ in encoded:
                     replies[i] = Reply(error=f"generate: {type(err).__name__}: {err}")
             else:
-                for row, (i, _) in enumerate(encoded):
-                    ids, text, truncated = self._decode(out[row, width:].tolist(), stop)
+                for (i, _), (ids, truncated) in zip(encoded, generated):
+                    cut = next((j for j, t in enumerate(ids) if t in stop), None)
+                    ids = ids if cut is None else ids[:cut]
+                    text = self.tok.decode(ids, skip_special_tokens=False)
                     reasoning, answer = split_reasoning(text)
                     for s in self._strip:  # stray control tokens must not reach training text
                         answer = answer.replace(s, "")
@@ -219,6 +199,75 @@ class HFBackend:
                     token_ids = self._ids_of(ids, content) if reasoning is None else None
                     replies[i] = Reply(content=content, reasoning=reasoning, truncated=truncated, token_ids=token_ids)
         return [r if r is not None else Reply(error="no reply") for r in replies]
+
+
+class HFBackend(TemplateBackend):
+    """A transformers CausalLM + its tokenizer: left-padded batched `generate` with a KV cache."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        chat_template: str | None = None,
+        enable_thinking: bool | None = None,
+        generate_kwargs: dict | None = None,
+    ):
+        cfg = getattr(model, "generation_config", None)
+        super().__init__(tokenizer, eos_token_id=getattr(cfg, "eos_token_id", None) if cfg is not None else None,
+                         max_positions=getattr(model.config, "max_position_embeddings", None),
+                         chat_template=chat_template, enable_thinking=enable_thinking)
+        self.model = model
+        self.generate_kwargs = dict(generate_kwargs or {})
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.where = f"hf generate on {next(model.parameters()).device}"  # named by RegenerationError
+
+    def _generate_ids(self, prompts: list[list[int]], params: SamplingParams,
+                      stop: list[int]) -> list[tuple[list[int], bool]]:
+        import torch
+
+        width = max(len(ids) for ids in prompts)
+        device = next(self.model.parameters()).device
+        input_ids = torch.tensor([[self.pad_id] * (width - len(ids)) + ids for ids in prompts], device=device)
+        attn = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=device)
+        sample = params.temperature > 0
+        gen_kw = dict(max_new_tokens=params.max_new_tokens, do_sample=sample, eos_token_id=stop,
+                      pad_token_id=self.pad_id, use_cache=True)
+        if sample:
+            gen_kw.update(temperature=params.temperature, top_p=params.top_p)
+        gen_kw.update(self.generate_kwargs)
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=input_ids, attention_mask=attn, **gen_kw)
+        rows = [out[row, width:].tolist() for row in range(len(prompts))]
+        return [(ids, not any(t in stop for t in ids)) for ids in rows]  # no stop token: cut at max_new_tokens
+
+
+class VLLMBackend(TemplateBackend):
+    """Prep's vLLM engine (data_prep/vllm_engine.py VLLMEngine: the engine that also captures with
+    capture.engine=vllm): the prompts rendered and the replies decoded here, as hf does, generated by vLLM from
+    token ids in one call per batch (vLLM schedules them together)."""
+
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        *,
+        eos_token_id: int | list[int] | None = None,
+        chat_template: str | None = None,
+        enable_thinking: bool | None = None,
+        seed: int | None = None,
+    ):
+        super().__init__(tokenizer, eos_token_id=eos_token_id, max_positions=engine.spec.max_model_len,
+                         chat_template=chat_template, enable_thinking=enable_thinking)
+        self.engine, self.seed = engine, seed
+        self.where = f"vLLM engine ({engine.log_path})"
+
+    def _generate_ids(self, prompts: list[list[int]], params: SamplingParams,
+                      stop: list[int]) -> list[tuple[list[int], bool]]:
+        outs = self.engine.generate(prompts, max_tokens=params.max_new_tokens, temperature=params.temperature,
+                                    top_p=params.top_p, seed=self.seed if params.temperature > 0 else None,
+                                    stop_token_ids=stop)
+        return [(o["token_ids"], o["finish_reason"] == "length") for o in outs]
 
 
 class OpenAIBackend:
@@ -302,12 +351,12 @@ class OpenAIBackend:
 
 
 def make_backend(kind: str, **kwargs) -> Backend:
-    """`make_backend("hf", model=..., tokenizer=...)` or `make_backend("openai", base_url=..., model=...)`."""
-    if kind == "hf":
-        return HFBackend(**kwargs)
-    if kind == "openai":
-        return OpenAIBackend(**kwargs)
-    raise ValueError(f"unknown regeneration backend {kind!r} (hf | openai)")
+    """`make_backend("hf", model=..., tokenizer=...)`, `make_backend("openai", base_url=..., model=...)` or
+    `make_backend("vllm", engine=..., tokenizer=...)`."""
+    backends = {"hf": HFBackend, "openai": OpenAIBackend, "vllm": VLLMBackend}
+    if kind not in backends:
+        raise ValueError(f"unknown regeneration backend {kind!r} (hf | openai | vllm)")
+    return backends[kind](**kwargs)
 
 
 # ----------------------------------------------------------------------------------------------

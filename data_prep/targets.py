@@ -258,6 +258,19 @@ def load_target_config(preset: TargetPreset) -> dict:
     return config
 
 
+def generation_eos(preset: TargetPreset) -> int | list[int] | None:
+    """The token id(s) the target's own generation stops at: its generation_config.json's eos_token_id (what
+    transformers' generate uses), else its config.json's."""
+    from transformers import GenerationConfig
+
+    try:
+        with _named_load_errors(preset):
+            eos = GenerationConfig.from_pretrained(model_path(preset), revision=_revision(preset)).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    return eos if eos is not None else load_target_config(preset).get("eos_token_id")
+
+
 def _revision(preset: TargetPreset) -> str | None:
     return None if preset.local_path or preset.embedded else preset.revision
 

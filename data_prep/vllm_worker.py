@@ -1,8 +1,18 @@
-"""The vLLM side of `capture.engine=vllm`: run by the python of a vLLM install (its own venv), never imported
-by the project's own processes (data_prep/vllm_capture.py starts it as a subprocess).
+"""The vLLM side of prep's vLLM engine (regen.backend=vllm, capture.engine=vllm): run by the python of a vLLM
+install (its own venv), never imported by the project's own processes (data_prep/vllm_engine.py starts it as a
+subprocess and sends it jobs).
 
-    <vllm python> -m data_prep.vllm_worker --check            # one JSON line: vLLM's version, usable or why not
-    <vllm python> -m data_prep.vllm_worker --request req.json  # capture (req.json: vllm_capture.worker_request)
+    <vllm python> -m data_prep.vllm_worker --check        # one JSON line: vLLM's version, usable or why not
+    <vllm python> -m data_prep.vllm_worker --serve DIR    # one engine (DIR/engine.json), then DIR's jobs in order
+
+One `vllm.LLM` serves every job of a prep rank, so the engine that regenerates the replies is the one that captures
+their hidden states. Jobs are files: the project writes `DIR/job.<n>.json` (atomically) and the worker answers with
+`DIR/done.<n>.json` ({"ok": true, ...} or {"ok": false, "error"}); `DIR/ready.json` says the engine is built.
+- generate: token-id prompts, sampling settings -> each prompt's generated token ids and finish reason (stop |
+  length). Regeneration's vLLM backend (data_prep/regenerate.py VLLMBackend) renders and decodes on its side.
+- capture: prompts with max_tokens=1 whose hidden states the engine extracts (below), streamed into a directory.
+- exit.
+The worker exits by itself when the process that started it is gone.
 
 The capture is vLLM's own hidden-state extraction: the `extract_hidden_states` speculative method makes the
 target's forward return the residual stream after the layers named in `eagle_aux_hidden_state_layer_ids` (id k
@@ -11,18 +21,18 @@ extractor's cache-only attention layer writes them into a KV cache group, and a 
 copies a finished request's slots into `<storage>/<request id>.safetensors` (`hidden_states` [T, n_ids, H] in
 the target's dtype, ids ascending; `token_ids` [T], the prompt). Each sample is one prompt with max_tokens=1:
 its prefill computes every prompt position, and the one sampled token is never fed back, so the file holds
-exactly the prompt's T positions.
+exactly the prompt's T positions. An engine built without layer ids (regeneration alone) has no extraction.
 
 vLLM's own ExampleHiddenStatesConnector copies through pinned memory on a CUDA stream; on a CPU build that
 fails ("pin_memory=True requires a CUDA or other accelerator backend"), so on a machine without CUDA the
 connector is `CPUHiddenStatesConnector` below: the same connector with the copy done synchronously in host
 memory. Everything else (which states, their cache, the file and its keys) is vLLM's.
 
-Protocol with the project side: the worker renames each finished file to `<out_dir>/<n>.safetensors` and then
-appends `{"id", "file", "tokens"}` to `<out_dir>/index.jsonl`, so an indexed file is complete. It waits while
+Capture protocol: the worker renames each finished file to `<out_dir>/<n>.safetensors` and then appends
+`{"id", "file", "tokens"}` to `<out_dir>/index.jsonl`, so an indexed file is complete. It waits while
 `max_pending_files` captured files are still in out_dir (the reader deletes each once written to a shard), and
-ends the index with `{"done": true, ...}` (start-up and capture seconds). Each index line also carries vLLM's
-own greedy next token (`next_token`), and for a sample marked `logprobs` its top-1 at every position (`top1`).
+ends the index with `{"done": true, ...}` (capture seconds). Each index line also carries vLLM's own greedy next
+token (`next_token`), and for a sample marked `logprobs` its top-1 at every position (`top1`).
 """
 
 from __future__ import annotations
@@ -134,12 +144,10 @@ def _cuda() -> bool:
 
 
 def build_llm(req: dict, storage: Path):
+    """The engine of `req` (DIR/engine.json): the target, its dtype and length, the parallel sizes, any other
+    vllm.LLM argument; with `layer_ids`, the hidden-state extraction writing into `storage`."""
     from vllm import LLM
 
-    kv = {"kv_connector": CONNECTOR, "kv_role": "kv_producer",
-          "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
-    if not _cuda():
-        kv.update(kv_connector="CPUHiddenStatesConnector", kv_connector_module_path="data_prep.vllm_worker")
     kwargs = {
         "model": req["model"],
         "tokenizer": req.get("tokenizer") or req["model"],
@@ -149,13 +157,18 @@ def build_llm(req: dict, storage: Path):
         "pipeline_parallel_size": req.get("pipeline_parallel_size", 1),
         # Every sample computed from its own tokens, as the HF capture does (no blocks shared between samples).
         "enable_prefix_caching": False,
-        "speculative_config": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                               "draft_model_config": {"hf_config": {
-                                   "eagle_aux_hidden_state_layer_ids": list(req["layer_ids"])}}},
-        "kv_transfer_config": kv,
-        **req.get("engine_kwargs", {}),
     }
-    return LLM(**kwargs)
+    if req.get("layer_ids"):
+        kv = {"kv_connector": CONNECTOR, "kv_role": "kv_producer",
+              "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+        if not _cuda():
+            kv.update(kv_connector="CPUHiddenStatesConnector", kv_connector_module_path="data_prep.vllm_worker")
+        kwargs.update(
+            speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                "draft_model_config": {"hf_config": {
+                                    "eagle_aux_hidden_state_layer_ids": list(req["layer_ids"])}}},
+            kv_transfer_config=kv)
+    return LLM(**kwargs, **req.get("engine_kwargs", {}))
 
 
 def _pending(out_dir: Path) -> int:
@@ -191,59 +204,138 @@ def next_tokens(output) -> dict:
     return out
 
 
-def run(req: dict) -> None:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+def _take_file(output) -> str | None:
+    """The connector file of a finished request, once its writer has released it (None: no extraction)."""
+    path = (output.kv_transfer_params or {}).get("hidden_states_path")
+    if path is not None:
+        with open(path + ".lock") as lock:  # the connector's writer holds it exclusively until written
+            fcntl.flock(lock, fcntl.LOCK_SH)
+        os.unlink(path + ".lock")
+    return path
 
-    out_dir = Path(req["out_dir"])
-    storage = out_dir / SPOOL
-    storage.mkdir(parents=True, exist_ok=True)
-    samples = [json.loads(line) for line in Path(req["samples_file"]).read_text().splitlines() if line.strip()]
+
+class Engine:
+    """One vllm.LLM and the jobs it runs (serve): generate and capture."""
+
+    def __init__(self, spec: dict, control: Path):
+        self.storage = control / SPOOL
+        self.storage.mkdir(parents=True, exist_ok=True)
+        self.llm = build_llm(spec, self.storage)
+        self.extracts = bool(spec.get("layer_ids"))
+
+    def generate(self, job: dict) -> dict:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=int(job["max_tokens"]), temperature=float(job["temperature"]),
+                                top_p=float(job.get("top_p", 1.0)), seed=job.get("seed"),
+                                stop_token_ids=list(job.get("stop_token_ids") or []))
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
+        replies = []
+        for o in outs:
+            path = _take_file(o)
+            if path is not None:  # an extracting engine also saved this prompt's states: not wanted here
+                os.unlink(path)
+            c = o.outputs[0]
+            replies.append({"token_ids": list(map(int, c.token_ids)), "finish_reason": c.finish_reason})
+        return {"outputs": replies}
+
+    def capture(self, job: dict) -> dict:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if not self.extracts:
+            raise RuntimeError("this engine was built without layer ids: it cannot capture hidden states")
+        out_dir = Path(job["out_dir"])
+        out_dir.mkdir(parents=True, exist_ok=True)
+        samples = [json.loads(line) for line in Path(job["samples_file"]).read_text().splitlines() if line.strip()]
+        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=1)
+        # A sample marked "logprobs" (the prep's probe) also returns vLLM's top-1 at every prompt position: what
+        # the project side checks its target head against (vllm_capture.check_probe) without a transformers target.
+        probe_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=1, prompt_logprobs=1)
+        serial, tokens, busy = 0, 0, 0.0
+        with open(out_dir / INDEX, "a") as index:
+            for chunk in _chunks(samples, int(job.get("chunk_tokens", 1 << 16))):
+                while _pending(out_dir) >= int(job.get("max_pending_files", 256)):
+                    time.sleep(0.05)  # the reader has not caught up yet: bounded disk use
+                t = time.perf_counter()
+                outs = self.llm.generate([TokensPrompt(prompt_token_ids=s["input_ids"]) for s in chunk],
+                                         [probe_params if s.get("logprobs") else params for s in chunk],
+                                         use_tqdm=False)
+                for s, o in zip(chunk, outs):
+                    path = _take_file(o)
+                    if path is None:
+                        raise RuntimeError(f"sample {s['id']!r}: vLLM returned no hidden_states_path "
+                                           f"({o.kv_transfer_params})")
+                    name = f"{serial:08d}.safetensors"
+                    os.replace(path, out_dir / name)
+                    index.write(json.dumps({"id": s["id"], "file": name, "tokens": len(s["input_ids"]),
+                                            **next_tokens(o)}) + "\n")
+                    index.flush()
+                    serial += 1
+                    tokens += len(s["input_ids"])
+                busy += time.perf_counter() - t
+            done = {"done": True, "samples": serial, "tokens": tokens, "capture_s": busy}
+            index.write(json.dumps(done) + "\n")
+        return done
+
+
+def write_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def job_path(control: Path, n: int, kind: str = "job") -> Path:
+    return control / f"{kind}.{n:06d}.json"
+
+
+def serve(control: Path, make_engine, poll_s: float = 0.02) -> int:
+    """Build the engine (`make_engine(spec, control)`, spec: control/engine.json), then answer control's jobs in
+    order until an exit job, or until the process that started this one is gone."""
+    parent = os.getppid()
     start = time.perf_counter()
-    llm = build_llm(req, storage)
-    startup_s = time.perf_counter() - start
-    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=1)
-    # A sample marked "logprobs" (the prep's probe) also returns vLLM's top-1 at every prompt position: what the
-    # project side checks its target head against (vllm_capture.check_probe) without a transformers target.
-    probe_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=1, prompt_logprobs=1)
-    index = open(out_dir / INDEX, "a")
-    serial, tokens, busy = 0, 0, 0.0
-    for chunk in _chunks(samples, int(req.get("chunk_tokens", 1 << 16))):
-        while _pending(out_dir) >= int(req.get("max_pending_files", 256)):
-            time.sleep(0.05)  # the reader has not caught up yet: bounded disk use
-        t = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=s["input_ids"]) for s in chunk],
-                            [probe_params if s.get("logprobs") else params for s in chunk], use_tqdm=False)
-        for s, o in zip(chunk, outs):
-            path = (o.kv_transfer_params or {}).get("hidden_states_path")
-            if path is None:
-                raise RuntimeError(f"sample {s['id']!r}: vLLM returned no hidden_states_path ({o.kv_transfer_params})")
-            with open(path + ".lock") as lock:  # the connector's writer holds it exclusively until written
-                fcntl.flock(lock, fcntl.LOCK_SH)
-            os.unlink(path + ".lock")
-            name = f"{serial:08d}.safetensors"
-            os.replace(path, out_dir / name)
-            index.write(json.dumps({"id": s["id"], "file": name, "tokens": len(s["input_ids"]), **next_tokens(o)})
-                        + "\n")
-            index.flush()
-            serial += 1
-            tokens += len(s["input_ids"])
-        busy += time.perf_counter() - t
-    index.write(json.dumps({"done": True, "samples": serial, "tokens": tokens, "startup_s": startup_s,
-                            "capture_s": busy, "vllm": __import__("vllm").__version__}) + "\n")
-    index.close()
+    engine = make_engine(json.loads((control / "engine.json").read_text()), control)
+    write_atomic(control / "ready.json", {"startup_s": time.perf_counter() - start, "engine": engine_version()})
+    n = 0
+    while True:
+        path = job_path(control, n)
+        if not path.exists():
+            if os.getppid() != parent:
+                return 1  # orphaned: whoever sent the jobs is gone
+            time.sleep(poll_s)
+            continue
+        job = json.loads(path.read_text())
+        if job["op"] == "exit":
+            write_atomic(job_path(control, n, "done"), {"ok": True})
+            return 0
+        try:
+            result = {"ok": True, **getattr(engine, job["op"])(job)}
+        except Exception as e:  # noqa: BLE001 - reported to the project side, which raises it with the log
+            import traceback
+
+            traceback.print_exc()
+            result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        write_atomic(job_path(control, n, "done"), result)
+        n += 1
+
+
+def engine_version() -> str:
+    try:
+        return __import__("vllm").__version__
+    except ImportError:
+        return "none"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true")
-    p.add_argument("--request")
+    p.add_argument("--serve", metavar="DIR", help="build DIR/engine.json's engine and answer DIR's jobs")
     args = p.parse_args(argv)
     if args.check:
         print(json.dumps(check()))
         return 0
-    run(json.loads(Path(args.request).read_text()))
-    return 0
+    return serve(Path(args.serve), Engine)
 
 
 if __name__ == "__main__":
