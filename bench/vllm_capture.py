@@ -1,6 +1,7 @@
 """capture.engine=vllm against capture.engine=hf on the same rendered samples of the embedded target (fp32 both).
 
     python bench/vllm_capture.py --vllm-python .venv-vllm/bin/python [--samples 40] [--threads 2]
+    python bench/vllm_capture.py --vllm-python .venv-vllm/bin/python --prep   # the demo's whole prep, both routes
 
 Renders `--samples` ShareGPT conversations (the dataset's own replies, the target's chat template), captures them
 with the HF path (data_prep/capture.py: right-padded batches of prep's default capture.batch_tokens) and with
@@ -33,7 +34,8 @@ import torch
 
 from data_prep.strict_json import dumps
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
 PROBE = 2  # samples checked as prep checks its probe batch
 ENGINE_KWARGS = {"enforce_eager": True}
 TARGET = "smollm2-135m-instruct"
@@ -175,6 +177,68 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _reply_tokens(prep: Path, tokenizer) -> tuple[int, dict[str, list]]:
+    """Reply tokens regenerated in a prep (the generated ids where kept, else the reply re-encoded) and each
+    conversation's assistant replies."""
+    from data_prep.regenerate import read_results
+
+    tokens, replies = 0, {}
+    for path in sorted((prep / "regen").glob("*.jsonl")):
+        for cid, rec in read_results(path).items():
+            mine = [m for m in rec["messages"] if m["role"] == "assistant"]
+            replies[cid] = [m["content"] for m in mine]
+            tokens += sum(len(m.get("token_ids") or tokenizer(m["content"], add_special_tokens=False)["input_ids"])
+                          for m in mine)
+    return tokens, replies
+
+
+def prep_engines(vllm_python: str, out_json: Path, work: Path) -> dict:
+    """The demo's prep (`make prep ARGS=max_len=1024`, the embedded target, 200 conversations) twice, one after
+    the other: the transformers route (2 ranks: HF generate, HF capture) and prep's vLLM engine (1 rank, both
+    cores: one engine regenerates, then captures). Wall time of each `make prep`, its regeneration and capture
+    seconds, reply tokens per regeneration second, and how many replies are identical."""
+    import subprocess
+
+    from data_prep.targets import load_tokenizer, resolve_target
+
+    routes = {
+        "hf": ["NPROC=2", "ARGS=max_len=1024"],
+        "vllm": ["NPROC=1", "OMP_NUM_THREADS=2", "VLLM_CPU_NUM_OF_RESERVED_CPU=0",
+                 f"ARGS=max_len=1024 regen.backend=vllm capture.engine=vllm vllm.python={vllm_python} "
+                 "vllm.engine_kwargs={enforce_eager:true}"],
+    }
+    tok = load_tokenizer(resolve_target(TARGET))
+    result: dict = {"what": "make prep of the demo (embedded target, 200 ShareGPT conversations, max_len 1024, "
+                            "greedy replies of <= 256 tokens, fp32) on each route, one after the other, nothing "
+                            "else running; regen_s: the slowest rank's regeneration seconds; reply tokens per "
+                            "regeneration second over the ranks together", "routes": {}}
+    replies = {}
+    for name, args in routes.items():
+        prep = work / name
+        start = time.perf_counter()
+        done = subprocess.run(["make", "prep", f"PREP_DIR={prep}", *args], cwd=ROOT, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        if done.returncode != 0:
+            raise RuntimeError(f"make prep ({name}) failed: {done.stderr[-2000:]}")
+        summary = json.loads((prep / "summary.json").read_text())
+        regen_s = max(sum(split["elapsed_s"] for split in part.values()) for part in summary["regen"])
+        tokens, replies[name] = _reply_tokens(prep, tok)
+        result["routes"][name] = {"command": "make prep " + " ".join(args), "wall_s": wall, "regen_s": regen_s,
+                                  "reply_tokens": tokens, "reply_tokens_per_regen_s": tokens / regen_s,
+                                  "capture_s": summary.get("capture_seconds"), "samples": summary["samples"],
+                                  "tokens": summary["tokens"]}
+        print(name, dumps(result["routes"][name]))
+    common = set(replies["hf"]) & set(replies["vllm"])
+    result["replies_identical"] = {"count": sum(replies["hf"][c] == replies["vllm"][c] for c in common),
+                                   "of": len(common)}
+    r = result["routes"]
+    result["vllm_over_hf"] = {"wall": r["vllm"]["wall_s"] / r["hf"]["wall_s"],
+                              "regen_s": r["vllm"]["regen_s"] / r["hf"]["regen_s"]}
+    out_json.write_text(dumps(result, indent=1))
+    print(dumps({k: result[k] for k in ("replies_identical", "vllm_over_hf")}))
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vllm-python", required=True)
@@ -185,7 +249,14 @@ def main() -> None:
     p.add_argument("--engine-only", metavar="ENGINE_KWARGS_JSON",
                    help="time only vLLM's capture with these vllm.LLM arguments (e.g. '{\"max_num_batched_tokens\": "
                         "2048}'), print its throughput, write nothing")
+    p.add_argument("--prep", action="store_true",
+                   help="the demo's whole make prep on the transformers route and on prep's vLLM engine (one engine "
+                        "regenerates and captures), side by side: bench/results/prep_engines.json")
     args = p.parse_args()
+    if args.prep:
+        with tempfile.TemporaryDirectory(prefix="prep_engines.") as tmp:
+            prep_engines(str(Path(args.vllm_python).resolve()), RESULTS / "prep_engines.json", Path(tmp))
+        return
     torch.set_num_threads(args.threads)
     samples = rendered_samples(args.samples, args.max_len)
     if args.engine_only is not None:
