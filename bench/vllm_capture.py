@@ -205,7 +205,7 @@ def prep_engines(vllm_python: str, out_json: Path, work: Path) -> dict:
         "hf": ["NPROC=2", "ARGS=max_len=1024"],
         "vllm": ["NPROC=1", "OMP_NUM_THREADS=2", "VLLM_CPU_NUM_OF_RESERVED_CPU=0",
                  f"ARGS=max_len=1024 regen.backend=vllm capture.engine=vllm vllm.python={vllm_python} "
-                 "vllm.engine_kwargs={enforce_eager:true}"],
+                 "+vllm.engine_kwargs.enforce_eager=true"],
     }
     tok = load_tokenizer(resolve_target(TARGET))
     result: dict = {"what": "make prep of the demo (embedded target, 200 ShareGPT conversations, max_len 1024, "
@@ -225,7 +225,7 @@ def prep_engines(vllm_python: str, out_json: Path, work: Path) -> dict:
         tokens, replies[name] = _reply_tokens(prep, tok)
         result["routes"][name] = {"command": "make prep " + " ".join(args), "wall_s": wall, "regen_s": regen_s,
                                   "reply_tokens": tokens, "reply_tokens_per_regen_s": tokens / regen_s,
-                                  "capture_s": summary.get("capture_seconds"), "samples": summary["samples"],
+                                  "capture_tokens_per_s": summary["capture_tokens_per_s"], "samples": summary["samples"],
                                   "tokens": summary["tokens"]}
         print(name, dumps(result["routes"][name]))
     common = set(replies["hf"]) & set(replies["vllm"])
