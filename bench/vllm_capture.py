@@ -202,10 +202,10 @@ def prep_engines(vllm_python: str, out_json: Path, work: Path) -> dict:
     from data_prep.targets import load_tokenizer, resolve_target
 
     routes = {
-        "hf": ["NPROC=2", "ARGS=max_len=1024"],
         "vllm": ["NPROC=1", "OMP_NUM_THREADS=2", "VLLM_CPU_NUM_OF_RESERVED_CPU=0",
                  f"ARGS=max_len=1024 regen.backend=vllm capture.engine=vllm vllm.python={vllm_python} "
                  "+vllm.engine_kwargs.enforce_eager=true"],
+        "hf": ["NPROC=2", "ARGS=max_len=1024"],
     }
     tok = load_tokenizer(resolve_target(TARGET))
     result: dict = {"what": "make prep of the demo (embedded target, 200 ShareGPT conversations, max_len 1024, "
@@ -255,7 +255,8 @@ def main() -> None:
     args = p.parse_args()
     if args.prep:
         with tempfile.TemporaryDirectory(prefix="prep_engines.") as tmp:
-            prep_engines(str(Path(args.vllm_python).resolve()), RESULTS / "prep_engines.json", Path(tmp))
+            # absolute, not resolved: a venv's python is a link to the base interpreter, which lacks vLLM
+            prep_engines(str(Path(args.vllm_python).absolute()), RESULTS / "prep_engines.json", Path(tmp))
         return
     torch.set_num_threads(args.threads)
     samples = rendered_samples(args.samples, args.max_len)
