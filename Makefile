@@ -20,12 +20,18 @@ PREP_DIR ?= $(OUT)/prep/$(MODEL)
 RUN_DIR ?= $(OUT)/runs/demo
 EXP ?= eagle3_ttt
 ARGS ?=
-# What `make demo` runs: the embedded target, 2 processes, 25 to 36 minutes cold on 2 CPU cores by the host's speed (docs/results.md).
+# What `make demo` runs: the embedded target; prep on one vLLM engine (vLLM's CPU build in its own venv, built
+# beside set-up) that regenerates and captures, training on 2 processes; DEMO_MINUTES cold on 2 CPU cores
+# (docs/results.md). Without a vLLM CPU build for this machine the prep regenerates with transformers instead.
 DEMO_PREP_ARGS ?= max_len=1024
+DEMO_VLLM_ARGS ?= regen.backend=vllm regen.batch_size=64 capture.engine=vllm \
+	vllm.python=$(abspath $(VLLM_VENV))/bin/python +vllm.engine_kwargs.enforce_eager=true
+# Training's held-out eval once, at the end (the steps' own losses show the progress): ~30 s an eval here.
+DEMO_TRAIN_ARGS ?= train.eval_interval=0
 DEMO_EVAL_ARGS ?= decode.mode=tree decode.temperature=0 decode.num_prompts=10 decode.max_new_tokens=128 \
 	decode.auto_total_tokens=true threads=2
 
-.PHONY: setup prep train plan export eval demo test test-fast lint engine-check regen-check capture-check bench-eval bench-decode bench-vllm bench-peer bench-step-peer specforge-venv clean gpu-check gpu-wheels
+.PHONY: setup prep train plan export eval demo demo-vllm-venv test test-fast lint engine-check regen-check capture-check bench-eval bench-decode bench-vllm bench-peer bench-step-peer specforge-venv clean gpu-check gpu-wheels
 
 setup: $(STAMP)
 $(STAMP): pyproject.toml
@@ -57,9 +63,12 @@ export: setup
 eval: setup
 	$(BIN)/python launch/eval.py drafter=$(RUN_DIR)/export target=$(MODEL) out_dir=$(RUN_DIR)/eval $(ARGS)
 
-demo: setup
-	$(MAKE) prep ARGS="$(DEMO_PREP_ARGS)"
-	$(MAKE) train EXP=eagle3_demo
+demo:
+	$(MAKE) -j2 setup demo-vllm-venv  # the two venvs install side by side
+	if test -x $(VLLM_VENV)/bin/python; then \
+		$(MAKE) prep NPROC=1 OMP_NUM_THREADS=2 VLLM_CPU_NUM_OF_RESERVED_CPU=0 ARGS="$(DEMO_PREP_ARGS) $(DEMO_VLLM_ARGS)"; \
+	else $(MAKE) prep ARGS="$(DEMO_PREP_ARGS)"; fi
+	$(MAKE) train EXP=eagle3_demo ARGS="$(DEMO_TRAIN_ARGS)"
 	$(MAKE) eval ARGS="$(DEMO_EVAL_ARGS)"
 	$(BIN)/python launch/demo_summary.py $(PREP_DIR) $(RUN_DIR)
 
@@ -115,6 +124,10 @@ bench-decode: setup
 bench-vllm: setup $(VLLM_VENV)/bin/python
 	$(BIN)/python bench/decode_profile.py vllm --vllm-python $(VLLM_VENV)/bin/python --drafter $(RUN_DIR)/export \
 		--target $(MODEL)
+
+# The demo's vLLM venv, or a note that the demo goes on without it.
+demo-vllm-venv:
+	-$(MAKE) $(VLLM_VENV)/bin/python || echo "no vLLM CPU build installed: the demo's prep regenerates with transformers"
 
 # vLLM's own venv (it pins its own torch); its torchvision/torchaudio/torchcodec builds break imports.
 $(VLLM_VENV)/bin/python:

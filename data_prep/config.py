@@ -47,6 +47,8 @@ class RegenConfig:
     on_length: str = "unmask"
     temperature: float = 0.0
     top_p: float = 1.0
+    # conversations advancing together, one backend call per turn index: hf's batch; vllm schedules a call's
+    # prompts together, so it gains from more
     batch_size: int = 16
     enable_thinking: bool | None = None  # None: the preset's setting
     base_url: str = "http://127.0.0.1:8000/v1"

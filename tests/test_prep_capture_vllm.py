@@ -285,6 +285,25 @@ def test_one_vllm_engine_regenerates_then_captures(tmp_path: Path, tiny_target_d
     assert not (out / ".vllm_engine.r0").exists() and (out / "vllm.r0.log").exists()
 
 
+def test_the_demos_vllm_prep_composes() -> None:
+    """`make demo`'s prep overrides (the Makefile's DEMO_PREP_ARGS + DEMO_VLLM_ARGS) compose and validate: one
+    vLLM engine regenerates and captures, eager, from the repository's .venv-vllm."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+
+    from data_prep.config import prep_config
+
+    shown = subprocess.run(["make", "-s", "--eval=print-%: ; @echo $($*)", "print-DEMO_PREP_ARGS",
+                            "print-DEMO_VLLM_ARGS"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    ConfigStore.instance().store(name="prep_schema", node=PrepConfig)
+    with initialize_config_dir(config_dir=str(ROOT / "conf" / "prep"), version_base="1.3"):
+        cfg = prep_config(compose(config_name="prep", overrides=["out=x", *shown.split()]))
+    cfg.validate()
+    assert (cfg.regen.backend, cfg.capture.engine, cfg.max_len, cfg.regen.batch_size) == ("vllm", "vllm", 1024, 64)
+    assert cfg.vllm.engine_kwargs == {"enforce_eager": True}
+    assert cfg.vllm.python == str(ROOT / ".venv-vllm" / "bin" / "python")
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Opt-in: the real vLLM engine (CPU build) on the embedded target
 
