@@ -21,7 +21,7 @@ RUN_DIR ?= $(OUT)/runs/demo
 EXP ?= eagle3_ttt
 ARGS ?=
 # What `make demo` runs: the embedded target; prep on one vLLM engine (vLLM's CPU build in its own venv, built
-# beside set-up) that regenerates and captures, training on 2 processes; DEMO_MINUTES cold on 2 CPU cores
+# beside set-up) that regenerates and captures, training on 2 processes; 28 minutes cold on 2 CPU cores
 # (docs/results.md). Without a vLLM CPU build for this machine the prep regenerates with transformers instead.
 DEMO_PREP_ARGS ?= max_len=1024
 DEMO_VLLM_ARGS ?= regen.backend=vllm regen.batch_size=64 capture.engine=vllm \
