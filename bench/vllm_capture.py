@@ -223,7 +223,8 @@ def prep_engines(vllm_python: str, out_json: Path, work: Path) -> dict:
         summary = json.loads((prep / "summary.json").read_text())
         regen_s = max(sum(split["elapsed_s"] for split in part.values()) for part in summary["regen"])
         tokens, replies[name] = _reply_tokens(prep, tok)
-        result["routes"][name] = {"command": "make prep " + " ".join(args), "wall_s": wall, "regen_s": regen_s,
+        shown = " ".join(args).replace(vllm_python, os.path.relpath(vllm_python, ROOT))  # no machine paths
+        result["routes"][name] = {"command": f"make prep {shown}", "wall_s": wall, "regen_s": regen_s,
                                   "reply_tokens": tokens, "reply_tokens_per_regen_s": tokens / regen_s,
                                   "capture_tokens_per_s": summary["capture_tokens_per_s"], "samples": summary["samples"],
                                   "tokens": summary["tokens"]}

@@ -589,16 +589,10 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
                            pipeline_parallel_size=cfg.vllm.pipeline_parallel_size,
                            engine_kwargs=dict(cfg.vllm.engine_kwargs)),
                 out / f".vllm_engine.r{part}", log_path=out / f"vllm.r{part}.log"))
+        if cfg.draft_vocab_count == "dataset" and writes:  # forward-free: while an engine builds in its process
+            share = dataset_token_counts(cfg, tokenizer, splits["pool"], preset, spec.vocab_size, part, parts)
+            save_file({"counts": share}, str(out / f"dataset_counts.r{part}.safetensors"))
         capture = None
-
-        def count_dataset() -> None:
-            if cfg.draft_vocab_count == "dataset" and writes:
-                share = dataset_token_counts(cfg, tokenizer, splits["pool"], preset, spec.vocab_size, part, parts)
-                save_file({"counts": share}, str(out / f"dataset_counts.r{part}.safetensors"))
-
-        counted_dataset = engine is not None
-        if counted_dataset:  # forward-free: done while the engine builds in its own process
-            count_dataset()
 
         def attach_target() -> None:
             """The transformers target's hooks, and the fidelity probe on them before anything of it is used."""
@@ -645,8 +639,6 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
                 cfg, preset, model, head, spec, tap_layers, vllm_splits, part, probe, out, engine)
             counts["captured_tokens"] += sum(st["tokens"] for st in vllm_stats.values())
             capture_seconds += sum(st["seconds"] for st in vllm_stats.values())
-    if not counted_dataset:
-        count_dataset()
     if writes:
         (out / f"summary.r{part}.json").write_text(dumps(
             {"counts": counts, "loader_skips": loader_skips, "regen": regen_summary,

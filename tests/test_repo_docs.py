@@ -1,5 +1,6 @@
 """The project documents itself: every `docs/method.md §N` citation names a section that exists, and nothing
-refers to a directory beside the checkout or to an absolute machine path: a clone alone reproduces it."""
+refers to a directory beside the checkout or to an absolute machine path (results JSON included): a clone alone
+reproduces it."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ MACHINE_PATH = re.compile(r"(?<![\w.])/(?:work|home)/\w")
 def project_files() -> list[Path]:
     files = [ROOT / "README.md", ROOT / "Makefile", ROOT / "pyproject.toml"]
     for top in SOURCES:
-        files += [p for p in (ROOT / top).rglob("*") if p.suffix in (".py", ".md", ".yaml") and p.is_file()]
+        files += [p for p in (ROOT / top).rglob("*") if p.suffix in (".py", ".md", ".yaml", ".json") and p.is_file()]
     return files
 
 
