@@ -20,14 +20,22 @@ class ConfigError(ValueError):
 RENAMED_KEYS = {"max_length": "max_len",
                 # prep's one vLLM engine serves regeneration (regen.backend=vllm) and capture (capture.engine=vllm)
                 **{f"capture.vllm.{k}": f"vllm.{k}"
-                   for k in ("python", "tensor_parallel_size", "pipeline_parallel_size", "engine_kwargs")}}
+                   for k in ("python", "tensor_parallel_size", "pipeline_parallel_size", "engine_kwargs")},
+                "capture.vllm.fidelity": "vllm.capture_fidelity"}
+# Keys that went away, with what replaced them: refused naming the replacement (check_keys, refuse_renamed).
+REPLACED_KEYS = {
+    "capture.vllm.max_pending_files": "the vLLM capture is bounded in bytes of node-local scratch: vllm.scratch_gb",
+    "capture.vllm.chunk_tokens": "requests go to vLLM's server one per sample, vllm.max_in_flight at a time",
+}
 
 
-def refuse_renamed(overrides: list[str], renamed: dict[str, str]) -> None:
+def refuse_renamed(overrides: list[str], renamed: dict[str, str], replaced: dict[str, str] | None = None) -> None:
     """ConfigError for a command-line override (`key=value`, `+key=value`, `~key`) of a renamed key, before
     Hydra composes anything (whose own error would only say the key is unknown)."""
     for arg in overrides:
         key = arg.split("=", 1)[0].lstrip("+~")
+        if key in (replaced or {}):
+            raise ConfigError(f"'{key}' is no longer read: {replaced[key]}")  # type: ignore[index]
         if key in renamed:
             value = arg.split("=", 1)[1] if "=" in arg else "..."
             raise ConfigError(f"'{key}' is now '{renamed[key]}': pass {renamed[key]}={value}")
@@ -62,29 +70,39 @@ class RegenConfig:
     max_retries: int = 3
 
 
+# engine arguments prep sets on the vLLM servers it starts; vllm.engine_kwargs may not override them
+RESERVED_ENGINE_KWARGS = ("model", "tokenizer", "dtype", "speculative_config", "kv_transfer_config",
+                          "enable_prefix_caching", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len",
+                          "host", "port", "api_key", "served_model_name")
+
+
 @dataclass
 class VLLMConfig:
-    """Prep's vLLM engine (data_prep/vllm_engine.py), one per prep rank: it regenerates with regen.backend=vllm and
-    captures with capture.engine=vllm, the same engine for both."""
+    """Prep's vLLM engine (data_prep/vllm_engine.py): vLLM's own OpenAI-compatible server. It regenerates with
+    regen.backend=vllm and captures with capture.engine=vllm, the same server for both. Prep starts one per prep
+    rank, on the rank's own group of tensor_parallel_size x pipeline_parallel_size devices of its node, or uses the
+    servers already running at `urls`."""
 
     python: str | None = None  # the python of a vLLM install (its own venv); None: this one, if it imports vllm
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    # any other vllm.LLM argument (e.g. distributed_executor_backend: ray, gpu_memory_utilization, enforce_eager)
+    # any other engine argument of the servers prep starts, as `vllm serve` takes it (enforce_eager: true ->
+    # --enforce-eager; gpu_memory_utilization: 0.9; distributed_executor_backend: ray)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class VLLMCaptureConfig:
-    """capture.engine=vllm: vLLM's own hidden-state extraction (data_prep/vllm_capture.py) on prep's engine."""
-
-    max_pending_files: int = 64  # captured files the engine may be ahead of the shard writer (disk use)
-    chunk_tokens: int = 65536  # prompt tokens per vLLM generate call
+    # Servers already running (http://host:port), started with the command docs/scaling.md gives: prep starts
+    # none, and its ranks split these (rank r takes urls[r::world], or urls[r % len] when there are fewer).
+    urls: list[str] = field(default_factory=list)
+    timeout_s: float = 1200.0  # bounds every wait: a server's startup, and each request
+    max_in_flight: int = 64  # requests a rank has in flight (vLLM batches them)
+    # Node-local scratch for the hidden-state files the server writes (None: $TMPDIR, else the system's temporary
+    # directory), bounded to scratch_gb: only finished shards go to the prep directory.
+    scratch_dir: str | None = None
+    scratch_gb: float = 8.0
     # What the probe batch's vLLM capture is checked against before any sample is written. engine: the prep's
     # target head on vLLM's teacher reproduces vLLM's own next-token choice at every probe position (its prompt
     # logprobs), and no transformers copy of the target loads (a target larger than one device stays in vLLM).
     # hf: additionally the target's transformers forward, tap by tap (loads the whole target in each prep rank).
-    fidelity: str = "engine"
+    capture_fidelity: str = "engine"
 
 
 @dataclass
@@ -98,8 +116,7 @@ class CaptureConfig:
     # >1: the target split over groups of this many ranks by transformers' tensor-parallel plan (torchrun); each
     # group captures its share of the samples once, its first rank writes the shards (world % size == 0)
     tensor_parallel_size: int = 1
-    engine: str = "hf"  # hf (transformers forward with hooks) | vllm (vLLM's hidden-state extraction)
-    vllm: VLLMCaptureConfig = field(default_factory=VLLMCaptureConfig)
+    engine: str = "hf"  # hf (transformers forward with hooks) | vllm (vLLM's hidden-state extraction, `vllm.*`)
 
 
 @dataclass
@@ -171,26 +188,32 @@ class PrepConfig:
         self.capture_engine_checks()
 
     def capture_engine_checks(self) -> None:
-        c = self.capture
+        c, v = self.capture, self.vllm
         if c.engine not in ("hf", "vllm"):
             raise ValueError(f"capture.engine must be hf|vllm, got {c.engine!r}")
         if self.uses_vllm() and c.tensor_parallel_size != 1:
             raise ValueError("capture.tensor_parallel_size splits the transformers target (capture.engine=hf, "
                              "regen.backend=hf); prep's vLLM engine is split by vllm.tensor_parallel_size")
-        if c.vllm.fidelity not in ("engine", "hf"):
-            raise ValueError(f"capture.vllm.fidelity must be engine|hf, got {c.vllm.fidelity!r}")
-        for key in ("max_pending_files", "chunk_tokens"):
-            if getattr(c.vllm, key) < 1:
-                raise ValueError(f"capture.vllm.{key} must be >= 1, got {getattr(c.vllm, key)}")
-        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if getattr(self.vllm, key) < 1:
-                raise ValueError(f"vllm.{key} must be >= 1, got {getattr(self.vllm, key)}")
-        from data_prep.vllm_engine import RESERVED_ENGINE_KWARGS
-
-        taken = sorted(set(self.vllm.engine_kwargs) & set(RESERVED_ENGINE_KWARGS))
+        if v.capture_fidelity not in ("engine", "hf"):
+            raise ValueError(f"vllm.capture_fidelity must be engine|hf, got {v.capture_fidelity!r}")
+        for key in ("tensor_parallel_size", "pipeline_parallel_size", "max_in_flight"):
+            if getattr(v, key) < 1:
+                raise ValueError(f"vllm.{key} must be >= 1, got {getattr(v, key)}")
+        for key in ("timeout_s", "scratch_gb"):
+            if not getattr(v, key) > 0:
+                raise ValueError(f"vllm.{key} must be > 0, got {getattr(v, key)}")
+        bad = [u for u in v.urls if not str(u).startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"vllm.urls must be http(s)://host:port of running vLLM servers, got {bad}")
+        if v.urls and (v.tensor_parallel_size, v.pipeline_parallel_size, dict(v.engine_kwargs)) != (1, 1, {}):
+            raise ValueError("vllm.urls names servers already running: their parallel sizes and engine arguments are "
+                             "their own `vllm serve` flags; leave vllm.tensor_parallel_size, pipeline_parallel_size "
+                             "and engine_kwargs unset")
+        taken = sorted(set(v.engine_kwargs) & set(RESERVED_ENGINE_KWARGS))
         if taken:
-            raise ValueError(f"vllm.engine_kwargs sets {taken}, which prep sets itself (the model, dtype and "
-                             "max_model_len are prep's; the parallel sizes are vllm's own keys)")
+            raise ValueError(f"vllm.engine_kwargs sets {taken}, which prep sets itself (the model, dtype, "
+                             "max_model_len, host, port and the extraction are prep's; the parallel sizes are vllm's "
+                             "own keys)")
 
 
 HELD_OUT_FRACTION, HELD_OUT_MIN, HELD_OUT_MAX = 0.1, 2, 40
@@ -207,24 +230,31 @@ def held_out_count(eval_samples: int | None, usable: int) -> int:
 
 def prep_config(raw: DictConfig) -> PrepConfig:
     """A composed Hydra config as a typed PrepConfig, every key checked against the schema."""
-    check_keys(OmegaConf.to_container(raw, resolve=False), PrepConfig, renamed=RENAMED_KEYS)
+    check_keys(OmegaConf.to_container(raw, resolve=False), PrepConfig, renamed=RENAMED_KEYS, replaced=REPLACED_KEYS)
     return OmegaConf.to_object(raw)
 
 
-def check_keys(node: Any, schema: type, prefix: str = "", renamed: dict[str, str] | None = None) -> None:
+def check_keys(node: Any, schema: type, prefix: str = "", renamed: dict[str, str] | None = None,
+               replaced: dict[str, str] | None = None) -> None:
     """ConfigError for a key of `node` that `schema` (a dataclass, nested) lacks, with the closest known key
-    (a key of `renamed`, full dotted name -> its new name: that name). Hydra's `+key=value` opens the struct
-    flag, so an appended key slips past the schema otherwise (and the default is silently used). Shared by
-    prep and train."""
-    if not (dataclasses.is_dataclass(schema) and isinstance(node, dict)):
+    (a key of `renamed`, full dotted name -> its new name: that name; of `replaced`, full dotted name -> what
+    replaced it: that). Hydra's `+key=value` opens the struct flag, so an appended key slips past the schema
+    otherwise (and the default is silently used). Shared by prep and train."""
+    if not isinstance(node, dict):
         return
-    known = {f.name: f for f in dataclasses.fields(schema)}
-    hints = typing.get_type_hints(schema)
     for key, value in node.items():
-        if f"{prefix}{key}" in (renamed or {}):
-            raise ConfigError(f"'{prefix}{key}' is now '{renamed[f'{prefix}{key}']}'")  # type: ignore[index]
+        full = f"{prefix}{key}"
+        if full in (replaced or {}):
+            raise ConfigError(f"'{full}' is no longer read: {replaced[full]}")  # type: ignore[index]
+        if full in (renamed or {}):
+            raise ConfigError(f"'{full}' is now '{renamed[full]}'")  # type: ignore[index]
+        if not dataclasses.is_dataclass(schema):
+            continue  # below a known key that is no section: an old section's keys are checked above only
+        known = {f.name: f for f in dataclasses.fields(schema)}
         if key not in known:
+            # a section that moved away: its keys' own messages first (capture.vllm.python -> vllm.python)
+            check_keys(value, None, f"{full}.", renamed, replaced)  # type: ignore[arg-type]
             close = difflib.get_close_matches(str(key), list(known), n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {sorted(known)}"
-            raise ConfigError(f"unknown config key '{prefix}{key}' (not in {schema.__name__}){hint}")
-        check_keys(value, hints[key], f"{prefix}{key}.", renamed)
+            raise ConfigError(f"unknown config key '{full}' (not in {schema.__name__}){hint}")
+        check_keys(value, typing.get_type_hints(schema)[key], f"{full}.", renamed, replaced)

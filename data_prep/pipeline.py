@@ -41,7 +41,7 @@ import os
 import time
 from collections import Counter
 from contextlib import ExitStack
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -146,15 +146,18 @@ def select_conversations(cfg: PrepConfig) -> tuple[dict[str, list[Conversation]]
 
 
 def dataset_token_counts(cfg: PrepConfig, tokenizer, convs: list[Conversation], preset: TargetPreset,
-                         vocab_size: int, rank: int = 0, world: int = 1) -> torch.Tensor:
+                         vocab_size: int, rank: int = 0, world: int = 1, alive=None) -> torch.Tensor:
     """Assistant (loss-masked) token counts of `convs` as the dataset wrote them, with the target's template:
     the large, forward-free count behind the draft vocabulary (this rank's share of it: every world-th
-    conversation). Records the template refuses count nothing."""
+    conversation). Records the template refuses count nothing. `alive`: called every 64 conversations (it raises to
+    stop the count: prep's vLLM server died while the count ran beside its startup)."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     if cfg.draft_vocab_count_max > 0:
         convs = convs[: cfg.draft_vocab_count_max]
-    for conv in tqdm(convs[rank::world], desc="count tokens for the draft vocab", unit="conv", mininterval=5,
-                     disable=rank != 0):
+    for n, conv in enumerate(tqdm(convs[rank::world], desc="count tokens for the draft vocab", unit="conv",
+                                  mininterval=5, disable=rank != 0)):
+        if alive is not None and n % 64 == 0:
+            alive()
         result = render_conversation(tokenizer, conv.messages, max_len=cfg.max_len, overflow="truncate",
                                      template_kwargs=template_kwargs(cfg, preset))
         if not isinstance(result, Dropped):
@@ -187,9 +190,9 @@ def plan_regeneration(cfg: PrepConfig, preset: TargetPreset, tokenizer, convs: l
     return kept, len(convs) - len(kept)
 
 
-def regenerate_split(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, convs, path: Path, engine=None):
+def regenerate_split(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, convs, path: Path, client=None):
     """Replace assistant turns by the target's own replies; returns the ok conversations and counts. `model`: the
-    transformers target (regen.backend=hf); `engine`: prep's vLLM engine (regen.backend=vllm)."""
+    transformers target (regen.backend=hf); `client`: prep's vLLM servers (regen.backend=vllm)."""
     from data_prep.regenerate import HFBackend, OpenAIBackend, VLLMBackend, load_regenerated, regenerate
 
     r = cfg.regen
@@ -198,7 +201,7 @@ def regenerate_split(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, co
     if r.backend == "hf":
         backend = HFBackend(model, tokenizer, enable_thinking=thinking)
     elif r.backend == "vllm":
-        backend = VLLMBackend(engine, tokenizer, eos_token_id=generation_eos(preset), enable_thinking=thinking,
+        backend = VLLMBackend(client, tokenizer, eos_token_id=generation_eos(preset), enable_thinking=thinking,
                               seed=cfg.seed)
     else:
         backend = OpenAIBackend(
@@ -341,16 +344,6 @@ def save_target_files(head: TargetHead, target_config, tokenizer, out: Path) -> 
         (out / TARGET_CONFIG_FILE).write_text(dumps(config, indent=1, default=str))
     with writing(out / "tokenizer"):
         tokenizer.save_pretrained(out / "tokenizer")
-
-
-def runs_hf_target(cfg: PrepConfig) -> bool:
-    """Whether prep loads the target into transformers (every rank, or its tensor-parallel group): for the HF
-    capture, the render stage's fidelity probe, regeneration with regen.backend=hf, or capture.vllm.fidelity=hf.
-    capture.engine=vllm otherwise reads the target's head alone (load_target_head): vLLM holds the layers, so a
-    target larger than one device never loads whole into a prep process."""
-    if cfg.capture.engine != "vllm" or cfg.stage != "all":
-        return True
-    return (cfg.regen.enabled and cfg.regen.backend == "hf") or cfg.capture.vllm.fidelity == "hf"
 
 
 def preflight(cfg: PrepConfig, preset: TargetPreset, tap_layers: list[int]) -> None:
@@ -525,36 +518,153 @@ def run(cfg: PrepConfig) -> dict | None:
             lock.release()
 
 
+@dataclass(frozen=True)
+class PrepPlan:
+    """What a prep runs, decided once from its config (`plan_prep`) before anything loads."""
+
+    regen: str | None  # the backend that regenerates the replies: hf | vllm | openai; None: the dataset's replies
+    capture: str | None  # the engine that captures: hf | vllm; None: stage=render (no shards)
+    # when the transformers target loads: "first" (before anything else runs on it), "after_regen" (once the vLLM
+    # servers regenerated and stopped: the devices are its then) or None (never: the head's tensors alone)
+    hf_target: str | None
+
+    @property
+    def vllm(self) -> bool:
+        """Prep talks to vLLM servers (started by it, or vllm.urls)."""
+        return "vllm" in (self.regen, self.capture)
+
+    @property
+    def vllm_extracts(self) -> bool:
+        """The servers serve with the hidden-state extraction: they capture after regenerating."""
+        return self.capture == "vllm"
+
+
+def plan_prep(cfg: PrepConfig) -> PrepPlan:
+    """The stages of `cfg` (validated): which backend regenerates, which engine captures, and whether and when the
+    transformers target loads. It loads for the HF capture, the render stage's fidelity probe, regeneration with
+    regen.backend=hf, and vllm.capture_fidelity=hf; capture.engine=vllm otherwise reads the target's head alone
+    (load_target_head): vLLM holds the layers, so a target larger than one device never loads whole into a prep
+    process. After a vLLM regeneration it loads only once the servers are stopped."""
+    regen = cfg.regen.backend if cfg.regen.enabled else None
+    capture = cfg.capture.engine if cfg.stage == "all" else None
+    needs_hf = (capture != "vllm" or regen == "hf"
+                or (capture == "vllm" and cfg.vllm.capture_fidelity == "hf"))
+    return PrepPlan(regen=regen, capture=capture,
+                    hf_target=None if not needs_hf else "after_regen" if regen == "vllm" and capture != "vllm"
+                    else "first")
+
+
+def vllm_client(cfg: PrepConfig, plan: PrepPlan, preset: TargetPreset, tap_layers: list[int], python: str | None,
+               cuda: bool, part: int, rank: int, world: int, out: Path):
+    """This rank's vLLM servers (data_prep/vllm_client.py): `with` starts them (they build in the background) or
+    connects to the user's."""
+    from data_prep.vllm_capture import engine_layer_ids
+    from data_prep.vllm_client import ServerSpec, VLLMClient
+
+    spec = ServerSpec(model=model_path(preset), dtype=cfg.dtype or preset.dtype, max_model_len=cfg.max_len + 1,
+                      hidden_size=preset.hidden_size,
+                      layer_ids=engine_layer_ids(tap_layers, preset.num_layers) if plan.vllm_extracts else [],
+                      tensor_parallel_size=cfg.vllm.tensor_parallel_size,
+                      pipeline_parallel_size=cfg.vllm.pipeline_parallel_size,
+                      engine_kwargs=dict(cfg.vllm.engine_kwargs))
+    return VLLMClient(spec, cfg.vllm, python=python, cuda=cuda, rank=rank, world=world,
+                      local_rank=int(os.environ.get("LOCAL_RANK", 0)), num_devices=torch.cuda.device_count(),
+                      log_path=out / f"vllm.r{part}.log")
+
+
 def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | None:
     preset = resolve_target(cfg.model)
     cfg = with_preset_defaults(cfg, preset)
+    plan = plan_prep(cfg)
     device = _device(cfg)
     tap_layers = list(cfg.capture.tap_layers or preset.tap_layers)
 
     splits, loader_skips = select_conversations(cfg)
     cfg = replace(cfg, eval_samples=len(splits["eval"]))  # the default's share, as summary.json records it
     preflight(cfg, preset, tap_layers)
-    vllm_python = None  # prep's vLLM engine (regen.backend=vllm, capture.engine=vllm): its python, checked first
-    if cfg.uses_vllm():
-        from data_prep import vllm_engine
-
-        vllm_python = vllm_engine.ready(cfg.vllm.python)
     tp_size = cfg.capture.tensor_parallel_size
-    regen_on_vllm = cfg.regen.enabled and cfg.regen.backend == "vllm"
-    capture_on_vllm = cfg.capture.engine == "vllm" and cfg.stage == "all"
-    model = None  # the transformers target, where prep runs its forward (runs_hf_target)
-    if runs_hf_target(cfg) and not regen_on_vllm:
-        model, tokenizer = load_target(preset, cfg.dtype, device, chat_template=cfg.chat_template,
-                                       tensor_parallel=tp_size)
-        head, target_config = TargetHead.from_hf_model(model), model.config
-    else:  # vLLM holds the layers (or regenerates before the transformers target loads): the head's tensors alone
-        tokenizer = load_tokenizer(preset, cfg.chat_template)
-        head, target_config = load_target_head(preset, cfg.dtype)
-        head = head.to(device)
     # tensor parallel: the samples are split over the groups (part `part` of `parts`); a group's first rank writes
-    group = tensor_parallel_group(model)
     part, parts, writes = rank // tp_size, world // tp_size, rank % tp_size == 0
-    spec = ShardSpec(
+    with ExitStack() as stack:
+        client = None
+        if plan.vllm:  # first: a server that cannot start fails the prep before any other long work
+            python, cuda = None, False
+            if not cfg.vllm.urls:
+                from data_prep.vllm_server import ready
+
+                python, info = ready(cfg.vllm.python)
+                cuda = bool(info.get("cuda"))
+            client = stack.enter_context(vllm_client(cfg, plan, preset, tap_layers, python, cuda, part, rank, world,
+                                                     out))
+        model = None
+        if plan.hf_target == "first":
+            model, tokenizer = load_target(preset, cfg.dtype, device, chat_template=cfg.chat_template,
+                                           tensor_parallel=tp_size)
+            head, target_config = TargetHead.from_hf_model(model), model.config
+        else:  # vLLM holds the layers (or regenerates before the transformers target loads): the head's tensors alone
+            tokenizer = load_tokenizer(preset, cfg.chat_template)
+            head, target_config = load_target_head(preset, cfg.dtype)
+            head = head.to(device)
+        spec = shard_spec(cfg, preset, tap_layers, head, target_config, tokenizer)
+        write_spec(out, spec, TargetSource(model=str(Path(preset.local_path).resolve()) if preset.local_path
+                                           else cfg.model, dtype=cfg.dtype or preset.dtype,
+                                           chat_template=cfg.chat_template))
+        if cfg.draft_vocab_count == "dataset" and writes:  # forward-free: beside the servers' startup
+            share = dataset_token_counts(cfg, tokenizer, splits["pool"], preset, spec.vocab_size, part, parts,
+                                         alive=client.check_alive if client is not None else None)
+            save_file({"counts": share}, str(out / f"dataset_counts.r{part}.safetensors"))
+        if client is not None:
+            client.wait_ready()
+        probe = probe_batch(tokenizer, splits["train"], cfg.max_len, template_kwargs(cfg, preset))
+        capture = fidelity = None
+        if model is not None:
+            capture, fidelity = attach_target(stack, model, head, tap_layers, probe, device, rank)
+        counts: Counter = Counter()
+        mine_by_split = {split: splits[split][part::parts] for split in SPLITS}
+        regen_summary: dict = {}
+        if plan.regen is not None:
+            group = tensor_parallel_group(model)
+            mine_by_split, regen_summary = regenerate_splits(cfg, preset, model, tokenizer, mine_by_split, out,
+                                                             part, group, client, counts)
+        if plan.hf_target == "after_regen":  # the servers' devices are the transformers target's now
+            client.close()
+            model, tokenizer = load_target(preset, cfg.dtype, device, chat_template=cfg.chat_template,
+                                           tensor_parallel=tp_size)
+            capture, fidelity = attach_target(stack, model, head, tap_layers, probe, device, rank)
+        rendered = render_splits(cfg, preset, tokenizer, mine_by_split, out, part, parts, writes, counts)
+        captured = {"tokens": 0, "seconds": 0.0}
+        fidelity = dict(fidelity or {})
+        if plan.capture == "hf":
+            for split, samples in rendered.items():
+                stats = capture_split(cfg, head, capture, spec, samples, out / split, part, device,
+                                      tensor_parallel_group(model))
+                captured["tokens"] += stats["tokens"]
+                captured["seconds"] += stats["seconds"]
+        elif plan.capture == "vllm":
+            from data_prep import vllm_capture
+
+            vllm_stats, fidelity["vllm"] = vllm_capture.capture_prep(
+                cfg, model, head, spec, {split: (samples, out / split) for split, samples in rendered.items()},
+                part, probe, client)
+            captured["tokens"] += sum(st["tokens"] for st in vllm_stats.values())
+            captured["seconds"] += sum(st["seconds"] for st in vllm_stats.values())
+        counts["captured_tokens"] += captured["tokens"]
+    if writes:
+        (out / f"summary.r{part}.json").write_text(dumps(
+            {"counts": counts, "loader_skips": loader_skips, "regen": regen_summary,
+             "capture_seconds": captured["seconds"], "fidelity": fidelity}, default=dict))
+    _barrier(world)
+    summary = finish(cfg, out, spec, head, target_config, tokenizer, parts) if rank == 0 else None
+    _barrier(world)
+    if rank == 0:
+        print_summary(summary, out)
+    return summary
+
+
+def shard_spec(cfg: PrepConfig, preset: TargetPreset, tap_layers: list[int], head: TargetHead, target_config,
+               tokenizer) -> ShardSpec:
+    """The shard sets' spec (data_prep/shards.py): the target, taps, teacher, dtype, hashes and max_len."""
+    return ShardSpec(
         target={"id": preset.hf_id, "revision": preset.revision, "architecture": target_config.architectures[0]
                 if target_config.architectures else target_config.model_type,
                 "num_layers": preset.num_layers, "hidden_size": preset.hidden_size,
@@ -567,88 +677,43 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
         chat_template_hash=template_hash(tokenizer),
         max_len=cfg.max_len,
     )
-    write_spec(out, spec, TargetSource(model=str(Path(preset.local_path).resolve()) if preset.local_path else cfg.model,
-                                      dtype=cfg.dtype or preset.dtype, chat_template=cfg.chat_template))
-    counts: Counter = Counter()
-    regen_summary: dict = {}
-    capture_seconds = 0.0
-    vllm_splits: dict = {}  # capture.engine=vllm: split -> (rendered, shard root), captured by one engine below
-    probe = probe_batch(tokenizer, splits["train"], cfg.max_len, template_kwargs(cfg, preset))
-    fidelity: dict = {}
-    with ExitStack() as stack:
-        engine = None
-        if vllm_python is not None:  # built in the background while this process goes on
-            from data_prep.vllm_capture import engine_layer_ids
-            from data_prep.vllm_engine import EngineSpec, VLLMEngine
 
-            engine = stack.enter_context(VLLMEngine(
-                EngineSpec(python=vllm_python, model=model_path(preset), dtype=cfg.dtype or preset.dtype,
-                           max_model_len=cfg.max_len + 1,
-                           layer_ids=engine_layer_ids(tap_layers, preset.num_layers) if capture_on_vllm else [],
-                           tensor_parallel_size=cfg.vllm.tensor_parallel_size,
-                           pipeline_parallel_size=cfg.vllm.pipeline_parallel_size,
-                           engine_kwargs=dict(cfg.vllm.engine_kwargs)),
-                out / f".vllm_engine.r{part}", log_path=out / f"vllm.r{part}.log"))
-        if cfg.draft_vocab_count == "dataset" and writes:  # forward-free: while an engine builds in its process
-            share = dataset_token_counts(cfg, tokenizer, splits["pool"], preset, spec.vocab_size, part, parts)
-            save_file({"counts": share}, str(out / f"dataset_counts.r{part}.safetensors"))
-        capture = None
 
-        def attach_target() -> None:
-            """The transformers target's hooks, and the fidelity probe on them before anything of it is used."""
-            nonlocal capture, fidelity
-            capture = stack.enter_context(HiddenStateCapture(model, tap_layers))
-            fidelity = check_fidelity(model, head, capture, *(x.to(device) for x in probe))
-            if rank == 0:
-                print_fidelity(fidelity)
-
-        if model is not None:
-            attach_target()
-        mine_by_split = {split: splits[split][part::parts] for split in SPLITS}
-        if cfg.regen.enabled:
-            for split, mine in mine_by_split.items():
-                mine, too_long = plan_regeneration(cfg, preset, tokenizer, mine)
-                counts["regen: first prompt leaves no room for a reply under max_len"] += too_long
-                path = _regen_path(out, split, part, group, cfg.seed)
-                mine_by_split[split], regen_summary[split] = regenerate_split(cfg, preset, model, tokenizer, mine,
-                                                                              path, engine)
-        if engine is not None and not capture_on_vllm:
-            engine.close()  # regeneration done: the device is the transformers target's now
-        if runs_hf_target(cfg) and model is None:  # regenerated on vLLM: the transformers target loads now
-            model, tokenizer = load_target(preset, cfg.dtype, device, chat_template=cfg.chat_template,
-                                           tensor_parallel=tp_size)
-            attach_target()
-        for split, mine in mine_by_split.items():
-            rendered, render_counts = render_all(cfg, tokenizer, mine, preset)
-            counts.update(render_counts)
-            rendered = capture_order(rendered)
-            if writes:  # what online training reads (data_prep/rendered.py)
-                write_split(out, split, part, parts, rendered)
-            if cfg.stage == "render":
-                continue
-            if capture_on_vllm:
-                vllm_splits[split] = (rendered, out / split)
-                continue
-            stats = capture_split(cfg, head, capture, spec, rendered, out / split, part, device, group)
-            counts["captured_tokens"] += stats["tokens"]
-            capture_seconds += stats["seconds"]
-        if vllm_splits:
-            from data_prep import vllm_capture
-
-            vllm_stats, fidelity["vllm"] = vllm_capture.capture_prep(
-                cfg, preset, model, head, spec, tap_layers, vllm_splits, part, probe, out, engine)
-            counts["captured_tokens"] += sum(st["tokens"] for st in vllm_stats.values())
-            capture_seconds += sum(st["seconds"] for st in vllm_stats.values())
-    if writes:
-        (out / f"summary.r{part}.json").write_text(dumps(
-            {"counts": counts, "loader_skips": loader_skips, "regen": regen_summary,
-             "capture_seconds": capture_seconds, "fidelity": fidelity}, default=dict))
-    _barrier(world)
-    summary = finish(cfg, out, spec, head, target_config, tokenizer, parts) if rank == 0 else None
-    _barrier(world)
+def attach_target(stack: ExitStack, model, head: TargetHead, tap_layers: list[int], probe, device: str, rank: int):
+    """The transformers target's hooks (closed with `stack`), and the fidelity probe on them before anything of it
+    is used: (capture, fidelity result)."""
+    capture = stack.enter_context(HiddenStateCapture(model, tap_layers))
+    fidelity = check_fidelity(model, head, capture, *(x.to(device) for x in probe))
     if rank == 0:
-        print_summary(summary, out)
-    return summary
+        print_fidelity(fidelity)
+    return capture, fidelity
+
+
+def regenerate_splits(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, mine_by_split: dict, out: Path,
+                      part: int, group, client, counts: Counter) -> tuple[dict, dict]:
+    """Every split's conversations of this part with the target's own replies: (conversations kept per split,
+    regeneration summary per split); the ones whose first prompt leaves no room are counted in `counts`."""
+    kept, summary = {}, {}
+    for split, mine in mine_by_split.items():
+        mine, too_long = plan_regeneration(cfg, preset, tokenizer, mine)
+        counts["regen: first prompt leaves no room for a reply under max_len"] += too_long
+        path = _regen_path(out, split, part, group, cfg.seed)
+        kept[split], summary[split] = regenerate_split(cfg, preset, model, tokenizer, mine, path, client)
+    return kept, summary
+
+
+def render_splits(cfg: PrepConfig, preset: TargetPreset, tokenizer, mine_by_split: dict, out: Path, part: int,
+                  parts: int, writes: bool, counts: Counter) -> dict[str, list[Rendered]]:
+    """Every split's training samples in capture order, written to <out>/rendered/ (what online training reads)
+    by the part's writing rank; what rendering dropped is counted in `counts`."""
+    rendered = {}
+    for split, mine in mine_by_split.items():
+        samples, render_counts = render_all(cfg, tokenizer, mine, preset)
+        counts.update(render_counts)
+        rendered[split] = capture_order(samples)
+        if writes:
+            write_split(out, split, part, parts, rendered[split])
+    return rendered
 
 
 def regen_counts(cfg: PrepConfig, total: Counter, regen: list[dict]) -> dict:

@@ -1,48 +1,43 @@
 """`capture.engine=vllm`: prep's capture stage through vLLM's own hidden-state extraction, written by ShardWriter.
 
-The capture runs on prep's vLLM engine (data_prep/vllm_engine.py: data_prep/vllm_worker.py in vLLM's own venv,
-`vllm.python`), built with the `extract_hidden_states` speculative method and a hidden-states KV connector; with
-regen.backend=vllm the same engine has regenerated the replies first. Each rendered sample's token ids go to it as
-a prompt with max_tokens=1. vLLM records the residual stream after the layers it is asked for (its aux layer id k is the
-output of decoder layer k-1; `aux_layer_ids`): each tap layer i (id i+1) and the last layer's output before the
-final norm (id num_layers), the hidden teacher. This side reads each file the worker finishes, checks that its
-token ids are the sample's and its shape [T, ids, H], builds the shard Sample exactly as the HF capture does
-(data_prep/capture.py capture_samples: taps joined in tap order, a compact teacher from the prep's target head),
-writes it with the rank's ShardWriter and deletes the file (the worker waits while too many are unread).
+The capture runs on prep's vLLM servers (data_prep/vllm_client.py: `vllm serve` started by prep in vLLM's own venv,
+`vllm.python`, or the user's `vllm.urls`), serving with the `extract_hidden_states` speculative method and a
+hidden-states KV connector; with regen.backend=vllm the same servers have regenerated the replies first. Each
+rendered sample's token ids go to them as a prompt with max_tokens=1. vLLM records the residual stream after the
+layers it is asked for (its aux layer id k is the output of decoder layer k-1; `aux_layer_ids`): each tap layer i
+(id i+1) and the last layer's output before the final norm (id num_layers), the hidden teacher. This side reads each
+file as its answer arrives (in the order sent), checks that its token ids are the sample's and its shape
+[T, ids, H], builds the shard Sample exactly as the HF capture does (data_prep/capture.py capture_samples: taps
+joined in tap order, a compact teacher from the prep's target head), writes it with the rank's ShardWriter and
+deletes the file.
 
-Resume: samples already recorded in a split's partial manifests are not sent again; nothing is started when
-every sample is recorded. Fidelity: the prep's probe batch goes first through the same engine, before any sample
-is written: the prep's target head on vLLM's teacher must give vLLM's own top-1 next token at every probe position
-(data_prep/fidelity.py check_engine_head; no transformers copy of the target is loaded: prep reads the head's
-tensors alone), and with capture.vllm.fidelity=hf check_engine_fidelity also compares every tap and the teacher
-with the target's transformers forward. Every captured sample's last position is checked the same way
+Resume: samples already recorded in a split's partial manifests are not sent again; nothing is sent when every
+sample is recorded. SIGTERM/SIGUSR1 (data_prep/preemption.py) stop the capture at the next sample: the samples
+written go into a last shard, recorded, the requests still in flight are dropped with the servers, and Preempted
+(exit status 75) is raised; a rerun captures the rest. Fidelity: the prep's probe batch goes first, before any
+sample is written: the prep's target head on vLLM's teacher must give vLLM's own top-1 next token at every probe
+position (data_prep/fidelity.py check_engine_head; no transformers copy of the target is loaded: prep reads the
+head's tensors alone), and with vllm.capture_fidelity=hf check_engine_fidelity also compares every tap and the
+teacher with the target's transformers forward. Every captured sample's last position is checked the same way
 (`next_token_agreement` in the summary).
-
-Scaling: `vllm.tensor_parallel_size`, `pipeline_parallel_size` and `engine_kwargs` (any other `vllm.LLM`
-argument, e.g. distributed_executor_backend="ray" for one engine over several nodes) pass through. Under torchrun
-every prep rank runs its own engine over its share of the samples.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from data_prep.capture import compact_teacher
+from data_prep.preemption import Preempted, StopSignals
 from data_prep.rendered import Rendered, capture_order
 from data_prep.shards import Sample, ShardSpec, ShardWriter, completed_sample_ids
-from data_prep.strict_json import dumps
-from data_prep.vllm_engine import VLLMEngine
+from data_prep.vllm_client import VLLMClient
 from models.target_head import TargetHead
 
-INDEX = "index.jsonl"  # data_prep/vllm_worker.py INDEX
 PROBE = "probe:"
 SAMPLE = "sample:"
 
@@ -96,119 +91,85 @@ def build_sample(rendered: Rendered, taps: torch.Tensor, final_hidden: torch.Ten
                   taps=taps, teacher_hidden=final_hidden if spec.teacher == "hidden" else None, **teacher)
 
 
-@dataclass
-class VLLMJob:
-    """What one capture through prep's vLLM engine does: the layers, the flow control and the work dir."""
-
-    engine: VLLMEngine  # built with engine_layer_ids(tap_layers, num_layers)
-    tap_layers: list[int]
-    num_layers: int
-    hidden_size: int
-    work_dir: Path
-    max_pending_files: int = 64
-    chunk_tokens: int = 1 << 16
-    stats: dict = field(default_factory=dict)  # the worker's last index line (capture seconds)
-
-
 def engine_layer_ids(tap_layers: list[int], num_layers: int) -> list[int]:
-    """The aux layer ids an engine that captures for these taps extracts."""
+    """The aux layer ids a server that captures for these taps extracts."""
     return aux_layer_ids(tap_layers, num_layers)[0]
 
 
-def stream_features(job: VLLMJob, items: list[tuple[str, torch.Tensor]], poll_s: float = 0.05,
-                    logprobs: frozenset[str] = frozenset()):
-    """Send `items` ((key, token ids), in order) to the engine as one capture job and yield (key, taps, teacher
-    hidden, engine) as its files arrive, deleting each once yielded; `engine`: vLLM's own next-token choice
-    (data_prep/vllm_worker.py next_tokens: its greedy next token, and for the keys in `logprobs` its top-1 at every
-    position)."""
-    ids, columns, teacher = aux_layer_ids(job.tap_layers, job.num_layers)
-    if list(job.engine.spec.layer_ids) != ids:
-        raise ValueError(f"the engine extracts aux layers {job.engine.spec.layer_ids}, the capture needs {ids}")
-    shutil.rmtree(job.work_dir, ignore_errors=True)  # a crashed run's unread files: not recorded, redone
-    job.work_dir.mkdir(parents=True)
-    samples_file = job.work_dir / "samples.jsonl"
-    samples_file.write_text("".join(dumps({"id": k, "input_ids": t.tolist(), "logprobs": k in logprobs}) + "\n"
-                                    for k, t in items))
-    out = job.work_dir / "out"
-    out.mkdir()
-    n = job.engine.submit({"op": "capture", "out_dir": str(out), "samples_file": str(samples_file),
-                           "max_pending_files": job.max_pending_files, "chunk_tokens": job.chunk_tokens})
+def stream_features(client: VLLMClient, tap_layers: list[int], num_layers: int, hidden_size: int,
+                    items: list[tuple[str, torch.Tensor]],
+                    logprobs: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor, torch.Tensor, dict]]:
+    """Capture `items` ((key, token ids), in order) on the client's servers and yield (key, taps, teacher hidden,
+    engine) as their answers arrive, in order; `engine`: vLLM's own next-token choice (data_prep/vllm_client.py
+    next_tokens: its greedy next token, and for the keys in `logprobs` its top-1 at every position)."""
+    ids, columns, teacher = aux_layer_ids(tap_layers, num_layers)
+    if list(client.spec.layer_ids) != ids:
+        raise ValueError(f"the servers extract aux layers {client.spec.layer_ids}, the capture needs {ids}")
     tokens = dict(items)
-    offset, pending = 0, ""
-    while True:
-        index = out / INDEX
-        chunk = ""
-        if index.exists():
-            with open(index) as f:
-                f.seek(offset)
-                chunk = f.read()
-                offset = f.tell()
-        lines = (pending + chunk).split("\n")
-        pending = lines.pop()  # a line without its newline yet
-        for line in filter(None, lines):
-            entry = json.loads(line)
-            if entry.get("done"):
-                job.stats = entry
-                job.engine.result(n)
-                return
-            key, path = entry["id"], out / entry["file"]
-            taps, final = features_from_file(path, tokens[key], key, columns, teacher, len(ids), job.hidden_size)
-            yield key, taps, final, {k: v for k, v in entry.items() if k not in ("id", "file", "tokens")}
-            path.unlink()
-        if not lines:
-            job.engine.poll(n)  # raises if the worker failed the job or is gone
-            time.sleep(poll_s)
+    for key, path, engine in client.capture([(k, t.tolist()) for k, t in items], logprobs=logprobs):
+        taps, final = features_from_file(path, tokens[key], key, columns, teacher, len(ids), hidden_size)
+        yield key, taps, final, engine
 
 
-def capture_splits(job: VLLMJob, spec: ShardSpec, head: TargetHead,
+def capture_splits(client: VLLMClient, spec: ShardSpec, head: TargetHead,
                    splits: dict[str, tuple[list[Rendered], Path]], rank: int, tokens_per_shard: int,
                    probe: list[torch.Tensor] | None = None,
                    check_probe: Callable[[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[dict]],
                                          dict] | None = None) -> tuple[dict[str, dict], dict | None]:
-    """Capture every split's samples not yet recorded (split -> (rendered samples, shard set root)) through ONE
-    vLLM engine, each written by its split's ShardWriter in capture order. `probe` (token id sequences) goes
+    """Capture every split's samples not yet recorded (split -> (rendered samples, shard set root)) on the
+    client's servers, each written by its split's ShardWriter in capture order. `probe` (token id sequences) goes
     first; `check_probe(probe, taps, teachers, engine)` judges it before any sample is written (its result is
     returned; `engine`: vLLM's own top-1 per position, stream_features). Per split: samples, tokens, seconds,
     skipped_already_done, bytes_written, as pipeline.capture_split, and `next_token_agreement`: of the samples
-    captured, the share whose last position's teacher gives, through `head`, the token vLLM itself chose."""
+    captured, the share whose last position's teacher gives, through `head`, the token vLLM itself chose.
+    SIGTERM/SIGUSR1 stop it after the sample being written (the module docstring)."""
     writers, todo, stats = {}, {}, {}
     for split, (samples, root) in splits.items():
         writers[split] = ShardWriter(root, spec, rank=rank, tokens_per_shard=tokens_per_shard)
         done = completed_sample_ids(root)
         todo[split] = {s.conversation_id: s for s in capture_order(samples) if s.conversation_id not in done}
-        stats[split] = {"samples": len(todo[split]), "tokens": 0, "seconds": 0.0,
+        stats[split] = {"samples": 0, "tokens": 0, "seconds": 0.0,
                         "skipped_already_done": len(samples) - len(todo[split]), "bytes_written": 0}
     items = [(f"{PROBE}{i}", ids) for i, ids in enumerate(probe or [])]
     probe_keys = frozenset(k for k, _ in items)
     items += [(f"{SAMPLE}{split}:{sid}", s.input_ids) for split in todo for sid, s in todo[split].items()]
-    fidelity = None
+    fidelity, stop = None, 0
     if any(todo.values()):
         got_probe: dict[str, tuple[torch.Tensor, torch.Tensor, dict]] = {}
         agreed = {split: 0 for split in todo}
-        startup = job.engine.wait_ready()  # built while prep did its other work, or during regeneration
         start = time.perf_counter()
-        for key, taps, final, engine in stream_features(job, items, logprobs=probe_keys):
-            if key.startswith(PROBE):
-                got_probe[key] = (taps, final, engine)
-                if len(got_probe) == len(probe) and check_probe is not None:
-                    order = [got_probe[f"{PROBE}{i}"] for i in range(len(probe))]
-                    fidelity = check_probe(probe, *map(list, zip(*order)))
-                continue
-            split, sid = key[len(SAMPLE):].split(":", 1)
-            sample = build_sample(todo[split][sid], taps, final, spec, head)
-            writers[split].add(sample)
-            stats[split]["tokens"] += len(sample)
-            agreed[split] += int(head_choice(head, final[-1]) == engine["next_token"])
-        # one engine serves every split: its wall time (start-up excluded) is shared by their tokens
+        features = stream_features(client, spec.tap_layers, spec.target["num_layers"], spec.target["hidden_size"],
+                                   items, logprobs=probe_keys)
+        with StopSignals("vLLM capture") as signals:
+            for key, taps, final, engine in features:
+                if key.startswith(PROBE):
+                    got_probe[key] = (taps, final, engine)
+                    if len(got_probe) == len(probe) and check_probe is not None:
+                        order = [got_probe[f"{PROBE}{i}"] for i in range(len(probe))]
+                        fidelity = check_probe(probe, *map(list, zip(*order)))
+                    continue
+                split, sid = key[len(SAMPLE):].split(":", 1)
+                sample = build_sample(todo[split][sid], taps, final, spec, head)
+                writers[split].add(sample)
+                stats[split]["samples"] += 1
+                stats[split]["tokens"] += len(sample)
+                agreed[split] += int(head_choice(head, final[-1]) == engine["next_token"])
+                if signals.received:
+                    stop = signals.received
+                    break
+            features.close()  # the requests still in flight: dropped (their files go with the launch's scratch)
+        # one set of servers serves every split: its wall time (start-up excluded) is shared by their tokens
         elapsed = time.perf_counter() - start
         total = sum(s["tokens"] for s in stats.values()) or 1
         for split, s in stats.items():
             s["seconds"] = elapsed * s["tokens"] / total
-            s["vllm_startup_s"] = startup
+            s["vllm_startup_s"] = client.startup_s
             s["next_token_agreement"] = agreed[split] / s["samples"] if s["samples"] else None
     for split, writer in writers.items():
         writer.close()
         stats[split]["bytes_written"] = writer.bytes_written
+    if stop:
+        raise Preempted(stop)
     return stats, fidelity
 
 
@@ -218,20 +179,15 @@ def head_choice(head: TargetHead, teacher_row: torch.Tensor) -> int:
     return int(head.logits(teacher_row.to(head.lm_head.weight.device)[None]).argmax(-1)[0])
 
 
-def capture_prep(cfg, preset, model, head, spec: ShardSpec, tap_layers: list[int],
-                 splits: dict[str, tuple[list[Rendered], Path]], part: int, probe: tuple[torch.Tensor, torch.Tensor],
-                 out: Path, engine: VLLMEngine) -> tuple[dict[str, dict], dict]:
+def capture_prep(cfg, model, head, spec: ShardSpec, splits: dict[str, tuple[list[Rendered], Path]], part: int,
+                 probe: tuple[torch.Tensor, torch.Tensor], client: VLLMClient) -> tuple[dict[str, dict], dict]:
     """Prep's capture stage through vLLM (data_prep/pipeline.py run, capture.engine=vllm): every split of this
-    rank on prep's engine, the probe batch checked first: the head against vLLM's own top-1 at every position
+    rank on its servers, the probe batch checked first: the head against vLLM's own top-1 at every position
     (data_prep/fidelity.py check_engine_head), and, where prep loaded the transformers target (`model` not None:
-    capture.vllm.fidelity=hf or regeneration on it), every tap against its forward (check_engine_fidelity).
-    Returns (stats per split, the probe's fidelity result or {} when nothing was left)."""
+    vllm.capture_fidelity=hf), every tap against its forward (check_engine_fidelity). Returns (stats per split,
+    the probe's fidelity result or {} when nothing was left)."""
     from data_prep.fidelity import check_engine_fidelity, check_engine_head
 
-    v = cfg.capture.vllm
-    job = VLLMJob(engine=engine, tap_layers=tap_layers, num_layers=preset.num_layers, hidden_size=preset.hidden_size,
-                  work_dir=out / f".vllm_capture.r{part}", max_pending_files=v.max_pending_files,
-                  chunk_tokens=v.chunk_tokens)
     ids, mask = probe
     sequences = [ids[i][mask[i].bool()] for i in range(ids.shape[0])]
 
@@ -241,13 +197,12 @@ def capture_prep(cfg, preset, model, head, spec: ShardSpec, tap_layers: list[int
               f"teacher gives vLLM's own top-1 at {result['argmax_agreement']:.4f} of the positions, log-probability "
               f"of that token within {result['max_logprob_diff']:.3g}")
         if model is not None:
-            result["hf"] = check_engine_fidelity(model, head, tap_layers, seqs, taps, teachers)
+            result["hf"] = check_engine_fidelity(model, head, spec.tap_layers, seqs, taps, teachers)
             rel = max(v for k, v in result["hf"]["max_rel_diff"].items() if k.startswith("tap "))
             print(f"vLLM capture against the transformers forward: max relative difference taps {rel:.3g}, teacher "
                   f"{result['hf']['max_rel_diff']['teacher']:.3g}; argmax agreement "
                   f"{result['hf']['argmax_agreement']:.3f}")
         return result
 
-    stats, fidelity = capture_splits(job, spec, head, splits, part, cfg.capture.tokens_per_shard, sequences, judge)
-    shutil.rmtree(job.work_dir, ignore_errors=True)
+    stats, fidelity = capture_splits(client, spec, head, splits, part, cfg.capture.tokens_per_shard, sequences, judge)
     return stats, fidelity or {}

@@ -38,6 +38,10 @@ USER_ERRORS = (
     "data_prep.dirlock:DirLocked",  # another process holds the run or prep directory
     "data_prep.fidelity:FidelityError",
     "data_prep.regenerate:RegenerationError",  # the regeneration server cannot be used at all (URL, error)
+    "data_prep.vllm_server:VLLMUnavailable",  # vllm.python missing, without vLLM, or too old
+    # a vLLM server that exited, refused its settings or did not answer in time: its URL, log and vLLM's reason
+    "data_prep.vllm_server:VLLMServerError",
+    "data_prep.vllm_capture:VLLMCaptureError",  # a server's file is not its sample's (e.g. other layers extracted)
     "train.online:TargetMismatch",
     "train.plan:PlanError",
     "models.export:ExportError",
@@ -122,11 +126,13 @@ def warnings_once_per_run() -> None:
     warnings.showwarning = show_once
 
 
-def hydra_main(config_path: str, config_name: str, renamed: dict[str, str] | None = None) -> Callable[[F], F]:
+def hydra_main(config_path: str, config_name: str, renamed: dict[str, str] | None = None,
+               replaced: dict[str, str] | None = None) -> Callable[[F], F]:
     """`hydra.main(config_path, config_name, version_base="1.3")` with user errors reported once, both those of
     the job (inside Hydra, which would otherwise print "Error executing job ..." on every rank) and Hydra's own
-    composition errors (outside it), and Python warnings from rank 0 only. `renamed` (old key -> new): an
-    override of an old key is refused, naming the new one, before Hydra composes anything."""
+    composition errors (outside it), and Python warnings from rank 0 only. `renamed` (old key -> new) and
+    `replaced` (old key -> what replaced it): an override of an old key is refused, naming what to use instead,
+    before Hydra composes anything."""
     import hydra
 
     def decorate(task: F) -> F:
@@ -136,10 +142,10 @@ def hydra_main(config_path: str, config_name: str, renamed: dict[str, str] | Non
 
         @functools.wraps(hydra_task)
         def inner(*args: Any, **kwargs: Any) -> Any:
-            if renamed:
+            if renamed or replaced:
                 from data_prep.config import refuse_renamed
 
-                refuse_renamed(sys.argv[1:], renamed)
+                refuse_renamed(sys.argv[1:], renamed or {}, replaced)
             return hydra_task(*args, **kwargs)
 
         outer = user_errors(inner, full)

@@ -11,14 +11,15 @@ the same command resumes. Several nodes and SLURM: docs/cluster.md, launch/slurm
 from hydra.core.config_store import ConfigStore
 
 from launch.paths import CONF_DIR
-from data_prep.config import RENAMED_KEYS, ConfigError, PrepConfig, prep_config
+from data_prep.config import RENAMED_KEYS, REPLACED_KEYS, ConfigError, PrepConfig, prep_config
 from data_prep.pipeline import run
 from launch.errors import hydra_main
 
 ConfigStore.instance().store(name="prep_schema", node=PrepConfig)
 
 
-@hydra_main(config_path=str(CONF_DIR / "prep"), config_name="prep", renamed=RENAMED_KEYS)
+@hydra_main(config_path=str(CONF_DIR / "prep"), config_name="prep", renamed=RENAMED_KEYS,
+            replaced=REPLACED_KEYS)
 def main(raw) -> None:
     try:
         cfg = prep_config(raw)

@@ -12,6 +12,7 @@ same samples, both fp32.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -25,8 +26,8 @@ from conftest import run_prep
 from data_prep.config import PrepConfig
 from data_prep.shards import ShardSet, completed_sample_ids
 from data_prep.vllm_capture import VLLMCaptureError, aux_layer_ids
-from data_prep.vllm_engine import VLLMUnavailable, check_vllm, resolve_python
-from data_prep.vllm_worker import MIN_VLLM
+from data_prep.vllm_server import VLLMUnavailable, check_vllm, resolve_python
+from data_prep.vllm_plugin import MIN_VLLM
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = os.environ.get("DRAFTERS_VLLM_PYTHON", "")
@@ -86,10 +87,11 @@ def test_config_keys_are_typed_through_hydra() -> None:
 
     raw = OmegaConf.merge(OmegaConf.structured(PrepConfig), OmegaConf.from_dotlist(
         ["out=x", "capture.engine=vllm", "vllm.tensor_parallel_size=8", "vllm.engine_kwargs={enforce_eager: true}",
-         "capture.vllm.chunk_tokens=4096"]))
+         "vllm.max_in_flight=16", "vllm.urls=[http://n1:8000,http://n2:8000]"]))
     cfg = prep_config(raw)
     assert (cfg.capture.engine, cfg.vllm.tensor_parallel_size) == ("vllm", 8)
-    assert cfg.vllm.engine_kwargs == {"enforce_eager": True} and cfg.capture.vllm.chunk_tokens == 4096
+    assert cfg.vllm.engine_kwargs == {"enforce_eager": True} and cfg.vllm.max_in_flight == 16
+    assert cfg.vllm.urls == ["http://n1:8000", "http://n2:8000"]
     with pytest.raises(ConfigError, match="vllm.tensor_parallel"):
         check_keys({"vllm": {"tensor_parallel": 2}}, PrepConfig)
     # the engine's keys moved out of capture.vllm (one engine regenerates and captures): the old names point on
@@ -99,6 +101,16 @@ def test_config_keys_are_typed_through_hydra() -> None:
         check_keys({"capture": {"vllm": {"python": "/x"}}}, PrepConfig, renamed=RENAMED_KEYS)
     with pytest.raises(ConfigError, match="pass vllm.tensor_parallel_size=8"):
         refuse_renamed(["capture.vllm.tensor_parallel_size=8"], RENAMED_KEYS)
+    from data_prep.config import REPLACED_KEYS
+
+    with pytest.raises(ConfigError, match="'capture.vllm.fidelity' is now 'vllm.capture_fidelity'"):
+        check_keys({"capture": {"vllm": {"fidelity": "hf"}}}, PrepConfig, renamed=RENAMED_KEYS)
+    # the file queue's flow-control keys are gone: what replaced them is named, on the command line and composed
+    with pytest.raises(ConfigError, match="'capture.vllm.max_pending_files' is no longer read: .* vllm.scratch_gb"):
+        refuse_renamed(["capture.vllm.max_pending_files=8"], RENAMED_KEYS, REPLACED_KEYS)
+    with pytest.raises(ConfigError, match="'capture.vllm.chunk_tokens' is no longer read: .* vllm.max_in_flight"):
+        check_keys({"capture": {"vllm": {"chunk_tokens": 8}}}, PrepConfig, renamed=RENAMED_KEYS,
+                   replaced=REPLACED_KEYS)
 
 
 def test_missing_vllm_is_named_before_anything_loads(tmp_path: Path, monkeypatch) -> None:
@@ -165,18 +177,22 @@ def test_vllm_engine_prep_writes_the_hf_capture_and_resumes(tmp_path: Path, tiny
     python = standin(tmp_path)
     log = tmp_path / "asked.txt"
     monkeypatch.setenv("STANDIN_LOG", str(log))
-    # the stand-in crashes after 2 probe files + 3 samples
-    vllm_cfg = {**common, "capture.engine": "vllm", "vllm.python": python, "capture.tokens_per_shard": 1}
+    # the stand-in crashes after 2 probe files + 3 samples (one request in flight: the server's order is prep's)
+    scratch = tmp_path / "scratch"
+    vllm_cfg = {**common, "capture.engine": "vllm", "vllm.python": python, "capture.tokens_per_shard": 1,
+                "vllm.max_in_flight": 1, "vllm.scratch_dir": str(scratch)}
     out = tmp_path / "vllm"
     # the crash in a process of its own, as `make prep` runs (its exit frees the prep directory's lock)
     args = [f"{k}={v}".replace(" ", "") for k, v in {**vllm_cfg, "model": tiny_target_dir, "data": tiny_sharegpt_file,
                                                      "out": out}.items()]
     proc = subprocess.run([sys.executable, str(ROOT / "launch" / "prep.py"), *args], capture_output=True, text=True,
                           cwd=ROOT, env={**os.environ, "STANDIN_FAIL_AFTER": "5"}, timeout=600)
-    assert proc.returncode != 0 and "exited with 3 before finishing" in proc.stdout + proc.stderr, proc.stderr[-3000:]
-    first = [line for line in log.read_text().splitlines() if not line.startswith("engine ")]
+    # one message naming the server and its log, no traceback, the user-error status
+    assert proc.returncode == 2 and "vLLM server http://127.0.0.1:" in proc.stderr, proc.stderr[-3000:]
+    assert "exited" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     written = completed_sample_ids(out / "train") | completed_sample_ids(out / "eval")
     assert len(written) == 3  # one sample per shard: each recorded as soon as it is written
+    assert scratch.is_dir() and not list(scratch.iterdir())  # the launch's scratch went with it
     log.unlink()
     import data_prep.pipeline as pipeline
 
@@ -186,9 +202,10 @@ def test_vllm_engine_prep_writes_the_hf_capture_and_resumes(tmp_path: Path, tiny
     monkeypatch.setattr(pipeline, "load_target", no_load)  # vLLM holds the layers; prep reads the head alone
     summary = run_prep(out, str(tiny_target_dir), str(tiny_sharegpt_file), **vllm_cfg)
     second = log.read_text().splitlines()
-    assert sum(line.startswith("engine ") for line in second) == 1  # one engine for the rank's splits
-    asked = [k.split(":", 2)[2] for k in second if k.startswith("sample:")]
-    assert not set(asked) & written and len(asked) == len(first) - 2 - 3  # the rest only, each once
+    assert sum(line.startswith("server ") for line in second) == 1  # one server for the rank's splits
+    asked = [line for line in second if line == "capture sample"]
+    total = sum(hf["samples"].values())
+    assert len(asked) == total - 3 and second.count("capture probe") == 2  # the rest only, each once
     assert summary["samples"] == hf["samples"] and summary["tokens"] == hf["tokens"]
     fidelity = summary["fidelity"]["vllm"]  # the head on the engine's teacher against the engine's own top-1
     assert fidelity["engine"] == "vLLM" and fidelity["argmax_agreement"] == 1.0 and fidelity["tokens"] > 50
@@ -197,8 +214,9 @@ def test_vllm_engine_prep_writes_the_hf_capture_and_resumes(tmp_path: Path, tiny
     assert summary["target_head_sha256"] == hf["target_head_sha256"]
     assert (out / "target_config.json").read_text() == (tmp_path / "hf" / "target_config.json").read_text()
     _assert_same_shards(out, tmp_path / "hf", teacher)
-    assert not (out / ".vllm_capture.r0").exists()
-    assert not (out / ".vllm_engine.r0").exists()
+    # the servers' files went to node-local scratch, gone with the launch: the prep directory has its shards only
+    assert not list(scratch.iterdir())
+    assert not [p for p in out.rglob("*.safetensors") if not {"shards", "rendered"} & set(p.parts) and p.parent != out]
 
 
 def test_vllm_engine_compact_teacher_from_the_prep_head(tmp_path: Path, tiny_target_dir: Path,
@@ -208,7 +226,7 @@ def test_vllm_engine_compact_teacher_from_the_prep_head(tmp_path: Path, tiny_tar
     run_prep(tmp_path / "hf", str(tiny_target_dir), str(tiny_sharegpt_file), **common)
     summary = run_prep(tmp_path / "vllm", str(tiny_target_dir), str(tiny_sharegpt_file), **common,
                        **{"capture.engine": "vllm", "vllm.python": standin(tmp_path),
-                          "capture.vllm.fidelity": "hf"})
+                          "vllm.capture_fidelity": "hf"})
     _assert_same_shards(tmp_path / "vllm", tmp_path / "hf", "topk")
     # fidelity=hf: the transformers target loaded beside the engine, every tap compared with its forward
     against_hf = summary["fidelity"]["vllm"]["hf"]
@@ -266,15 +284,15 @@ def test_one_vllm_engine_regenerates_then_captures(tmp_path: Path, tiny_target_d
     summary = run_prep(out, str(tiny_target_dir), str(tiny_sharegpt_file), **common,
                        **{"regen.backend": "vllm", "capture.engine": capture_engine, "vllm.python": standin(tmp_path)})
     lines = log.read_text().splitlines()
-    engines = [line for line in lines if line.startswith("engine ")]
-    generates = [i for i, line in enumerate(lines) if line.startswith("generate ")]
-    assert len(engines) == 1 and generates  # one engine, started once, regenerated
+    servers = [json.loads(line.split(" ", 1)[1]) for line in lines if line.startswith("server ")]
+    generates = [i for i, line in enumerate(lines) if line == "generate"]
+    assert len(servers) == 1 and generates  # one server, started once, regenerated
     if capture_engine == "vllm":
-        assert engines[0].endswith("layers [2, 4, 8]") and not loads  # it extracts; no transformers target
-        captured = [i for i, line in enumerate(lines) if line.startswith(("probe:", "sample:"))]
-        assert captured and max(generates) < min(captured)  # regenerated first, then captured by the same engine
+        assert servers[0]["layers"] == [2, 4, 8] and not loads  # it extracts; no transformers target
+        captured = [i for i, line in enumerate(lines) if line.startswith("capture ")]
+        assert captured and max(generates) < min(captured)  # regenerated first, then captured by the same server
     else:
-        assert engines[0].endswith("layers []") and loads == [1]  # regeneration alone; HF capture after it
+        assert servers[0]["layers"] == [] and loads == [1]  # regeneration alone; HF capture after it
     def regen_counts(summary: dict) -> list:
         return [{split: {k: v for k, v in c.items() if k not in ("elapsed_s", "out_path")} for split, c in part.items()}
                 for part in summary["regen"]]
@@ -282,7 +300,7 @@ def test_one_vllm_engine_regenerates_then_captures(tmp_path: Path, tiny_target_d
     assert _replies(out) == _replies(tmp_path / "hf") and regen_counts(summary) == regen_counts(hf)
     assert summary["samples"] == hf["samples"] and summary["tokens"] == hf["tokens"]
     _assert_same_shards(out, tmp_path / "hf", "hidden")
-    assert not (out / ".vllm_engine.r0").exists() and (out / "vllm.r0.log").exists()
+    assert (out / "vllm.r0.log").exists()
 
 
 def test_the_demos_vllm_prep_composes() -> None:

@@ -1,33 +1,40 @@
-"""Stand-in for the vLLM side of prep's vLLM engine (data_prep/vllm_worker.py) where no vLLM is installed: the same
-command line and job protocol (the worker's own `serve` loop), generate jobs answered by transformers' greedy
-generate, capture files in the hidden-states connector's layout (`hidden_states` [T, n_ids, H] for vLLM's aux
-layer ids, ascending: id k = the output of decoder layer k-1, id num_layers before the final norm; `token_ids`
-[T]), computed by a transformers forward of the target. It lets `make test` run the project side (the engine
-session, regeneration, reading, mapping, checks, shard writing, resume) without vLLM; the real engine is
-tests/test_prep_capture_vllm.py's opt-in test.
+"""Stand-in for vLLM's OpenAI-compatible server where no vLLM is installed: the same command line
+(`<python> -m vllm.entrypoints.openai.api_server --model ... --host ... --port ...`, and `-m data_prep.vllm_plugin
+--check`) and the same HTTP (/health, /v1/models, /v1/completions with token ids in and out, `return_token_ids`,
+`logprobs`, `prompt_logprobs`, `kv_transfer_params`), backed by a transformers model. A request to a server started
+with `--speculative-config` (method extract_hidden_states) and `--kv-transfer-config` gets its prompt's hidden
+states written as the hidden-states connector writes them: `hidden_states` [T, n_ids, H] for vLLM's aux layer ids,
+ascending (id k = the output of decoder layer k-1, id num_layers before the final norm), `token_ids` [T], at the
+request's `kv_transfer_params.hidden_states_path` when the connector's `allow_custom_save_path` is on (else
+`<shared_storage_path>/<request id>.safetensors`), beside a `.lock` file, the path returned in the answer's
+`kv_transfer_params` as vLLM does. Like vLLM it starts a child process of its own (vLLM's engine core), which must
+go down with it. It lets `make test` run prep's side (the servers' start, devices and environment, requests,
+reading, checks, shards, resume, stops) without vLLM; the real server is tests/test_prep_capture_vllm.py's opt-in
+test.
 
-    standin -m data_prep.vllm_worker --check | --serve DIR
-
-Environment: STANDIN_VERSION (what --check reports, default the version the route needs), STANDIN_FAIL_AFTER=n
-(exit 3 after n files: a crash mid-capture), STANDIN_LOG (append the ids asked for, one per line, and
-"engine <pid>" for each engine built, "generate <n>" for each generate job), STANDIN_BAD_TOKENS=1 (write the
-wrong token ids in every file), STANDIN_OTHER_HEAD=1 (report next-token choices that are not the target head's:
-the engine-side fidelity check must refuse them). Each index line carries the engine's greedy next token, and for
-a sample marked "logprobs" its top-1 at every position, as the worker's.
+Environment: STANDIN_VERSION (what --check reports, default the version needed), STANDIN_LOG (appends
+`server {json}` per server started: pid, child pid, port, devices, environment; `generate` / `capture probe` /
+`capture sample` per request), STANDIN_FAIL_AT_START=<reason> (log `ValueError: <reason>` and exit 1 before serving,
+as vLLM refusing its settings), STANDIN_HANG=1 (accept completions and never answer), STANDIN_FAIL_AFTER=n (exit 3
+when asked for capture n+1, after n captures: a crash mid-capture), STANDIN_SLOW_S (seconds added to each capture request),
+STANDIN_BAD_TOKENS=1 (the wrong token ids in every file), STANDIN_OTHER_HEAD=1 (next-token choices that are not the
+target head's).
 """
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
 import os
+import subprocess
 import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
-
-from data_prep.vllm_worker import INDEX, MIN_VLLM, serve
+MIN_VLLM = "0.32.0"
 
 
 def log(line: str) -> None:
@@ -36,76 +43,164 @@ def log(line: str) -> None:
             f.write(line + "\n")
 
 
-class StandinEngine:
-    def __init__(self, spec: dict, control: Path):
-        log(f"engine {os.getpid()} layers {spec['layer_ids']}")
-        self.spec = spec
-        self.model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=getattr(torch, spec["dtype"])).eval()
+def check() -> int:
+    version = os.environ.get("STANDIN_VERSION", MIN_VLLM)
+    ok = tuple(map(int, version.split("."))) >= tuple(map(int, MIN_VLLM.split(".")))
+    print(json.dumps({"ok": ok, "version": version, "needed": MIN_VLLM, "cuda": False,
+                      "reason": "" if ok else f"vLLM {version} is older than {MIN_VLLM}"}))
+    return 0
+
+
+class Model:
+    def __init__(self, args):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+        spec = json.loads(args.speculative_config) if args.speculative_config else {}
+        hf = spec.get("draft_model_config", {}).get("hf_config", {})
+        self.layer_ids = list(hf.get("eagle_aux_hidden_state_layer_ids", []))
+        kv = json.loads(args.kv_transfer_config) if args.kv_transfer_config else {}
+        extra = kv.get("kv_connector_extra_config", {})
+        self.storage, self.custom = extra.get("shared_storage_path"), bool(extra.get("allow_custom_save_path"))
+        self.max_len = args.max_model_len
+        self.lock = threading.Lock()
         self.seen: dict = {}
-        self.model.model.norm.register_forward_pre_hook(lambda _m, args: self.seen.__setitem__("norm_in", args[0]))
+        self.model.model.norm.register_forward_pre_hook(lambda _m, a: self.seen.__setitem__("norm_in", a[0]))
+        self.requests = itertools.count()
+        self.captures = itertools.count(1)
 
-    @torch.no_grad()
-    def generate(self, job: dict) -> dict:
-        log(f"generate {len(job['prompts'])}")
-        stop = list(job["stop_token_ids"])
-        outputs = []
-        for prompt in job["prompts"]:
+    def complete(self, body: dict) -> dict:
+        torch = self.torch
+        prompt = list(body["prompt"])
+        if len(prompt) + int(body.get("max_tokens", 16)) > self.max_len:
+            raise ValueError(f"This model's maximum context length is {self.max_len} tokens")
+        n = next(self.requests)
+        params = body.get("kv_transfer_params") or {}
+        capture = int(body.get("max_tokens", 16)) == 1
+        if capture:
+            log("capture probe" if body.get("prompt_logprobs") else "capture sample")
+            if next(self.captures) == int(os.environ.get("STANDIN_FAIL_AFTER", -2)) + 1:
+                os._exit(3)
+            time.sleep(float(os.environ.get("STANDIN_SLOW_S", 0)))
+        else:
+            log("generate")
+        with self.lock, torch.no_grad():
             ids = torch.tensor([prompt])
-            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=job["max_tokens"], eos_token_id=stop, pad_token_id=stop[0])
-            new = out[0, len(prompt):].tolist()
-            end = next((j for j, t in enumerate(new) if t in stop), None)
-            outputs.append({"token_ids": new if end is None else new[: end + 1],
-                            "finish_reason": "length" if end is None else "stop"})
-        return {"outputs": outputs}
+            out = self.model(input_ids=ids, output_hidden_states=True)
+            logp = out.logits[0].float().log_softmax(-1)
+            if os.environ.get("STANDIN_OTHER_HEAD"):  # an engine whose own logits are not the prep head's
+                logp = logp.roll(1, dims=-1)
+            top = logp.max(-1)
+            states = None
+            if self.layer_ids:
+                hs = out.hidden_states
+                layers = self.model.config.num_hidden_layers
+                states = torch.stack([hs[k][0] if k < layers else self.seen["norm_in"][0] for k in self.layer_ids],
+                                     dim=1).contiguous()
+            if capture:
+                new, reason = [int(top.indices[-1])], "length"
+            else:
+                stop = list(body.get("stop_token_ids") or [])
+                gen = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                          max_new_tokens=int(body["max_tokens"]), eos_token_id=stop or None,
+                                          pad_token_id=(stop or [0])[0])
+                new = gen[0, len(prompt):].tolist()
+                end = next((j for j, t in enumerate(new) if t in stop), None)
+                new, reason = (new, "length") if end is None else (new[: end + 1], "stop")
+        answer_params = None
+        if states is not None:
+            path = params.get("hidden_states_path") if self.custom else None
+            path = path or os.path.join(self.storage, f"standin-{n}.safetensors")
+            file_ids = ids[0] + 1 if os.environ.get("STANDIN_BAD_TOKENS") else ids[0]
+            from safetensors.torch import save_file
 
-    @torch.no_grad()
-    def capture(self, job: dict) -> dict:
-        if not self.spec["layer_ids"]:
-            raise RuntimeError("this engine was built without layer ids: it cannot capture hidden states")
-        out = Path(job["out_dir"])
-        out.mkdir(parents=True, exist_ok=True)
-        samples = [json.loads(line) for line in Path(job["samples_file"]).read_text().splitlines() if line]
-        for s in samples:
-            log(s["id"])
-        num_layers = self.model.config.num_hidden_layers
-        fail_after = int(os.environ.get("STANDIN_FAIL_AFTER", -1))
-        with open(out / INDEX, "a") as index:
-            for n, s in enumerate(samples):
-                if n == fail_after:
-                    os._exit(3)
-                ids = torch.tensor(s["input_ids"])
-                out_ = self.model(input_ids=ids[None], output_hidden_states=True)
-                hs = out_.hidden_states
-                logp = out_.logits[0].float().log_softmax(-1)
-                if os.environ.get("STANDIN_OTHER_HEAD"):  # an engine whose own logits are not the prep head's
-                    logp = logp.roll(1, dims=-1)
-                top = logp.max(-1)
-                choice = {"next_token": int(top.indices[-1]), "next_logprob": float(top.values[-1])}
-                if s.get("logprobs"):
-                    choice.update(top1=top.indices.tolist(), top1_logprob=top.values.tolist())
-                states = [hs[k][0] if k < num_layers else self.seen["norm_in"][0] for k in self.spec["layer_ids"]]
-                if os.environ.get("STANDIN_BAD_TOKENS"):
-                    ids = ids + 1
-                name = f"{n:08d}.safetensors"
-                save_file({"hidden_states": torch.stack(states, dim=1).contiguous(), "token_ids": ids},
-                          str(out / (name + ".tmp")))
-                os.replace(out / (name + ".tmp"), out / name)
-                index.write(json.dumps({"id": s["id"], "file": name, "tokens": len(ids), **choice}) + "\n")
-                index.flush()
-            done = {"done": True, "samples": len(samples), "capture_s": 0.0}
-            index.write(json.dumps(done) + "\n")
-        return done
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            Path(path + ".lock").touch()
+            save_file({"hidden_states": states, "token_ids": file_ids}, path)
+            answer_params = {"hidden_states_path": path}
+        choice = {"index": 0, "text": "", "finish_reason": reason, "token_ids": new,
+                  "logprobs": {"token_logprobs": [float(top.values[-1])]} if body.get("logprobs") else None,
+                  "prompt_logprobs": None}
+        if body.get("prompt_logprobs"):
+            choice["prompt_logprobs"] = [None] + [
+                {str(int(t)): {"logprob": float(v), "rank": 1}} for t, v in zip(top.indices[:-1], top.values[:-1])]
+        return {"id": f"cmpl-{n}", "object": "text_completion", "choices": [choice],
+                "kv_transfer_params": answer_params}
+
+
+def serve(args) -> int:
+    if os.environ.get("STANDIN_FAIL_AT_START"):
+        print(f"ValueError: {os.environ['STANDIN_FAIL_AT_START']}", flush=True)
+        return 1
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])  # "the engine core"
+    model = Model(args)
+    log("server " + json.dumps({"pid": os.getpid(), "child": child.pid, "port": args.port, "layers": model.layer_ids,
+                                "devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "model": args.model,
+                                "tp": args.tensor_parallel_size, "env": sorted(os.environ),
+                                "key": bool(os.environ.get("VLLM_API_KEY"))}))
+    key = os.environ.get("VLLM_API_KEY")
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a) -> None:
+            pass
+
+        def _send(self, code: int, obj) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _authorized(self) -> bool:
+            if key and self.headers.get("Authorization") != f"Bearer {key}":
+                self._send(401, {"error": "Unauthorized"})
+                return False
+            return True
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                self._send(200, {})
+            elif self.path == "/v1/models" and self._authorized():
+                self._send(200, {"data": [{"id": args.model}]})
+            elif self.path != "/v1/models":
+                self._send(404, {})
+
+        def do_POST(self) -> None:
+            if not self._authorized():
+                return
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if os.environ.get("STANDIN_HANG"):
+                time.sleep(3600)
+            try:
+                self._send(200, model.complete(body))
+            except ValueError as e:
+                self._send(400, {"error": {"message": str(e)}})
+
+    server = ThreadingHTTPServer((args.host, args.port), Handler)
+    server.daemon_threads = True
+    print("Application startup complete.", flush=True)
+    server.serve_forever()
+    return 0
 
 
 def main(argv: list[str]) -> int:
     if "--check" in argv:
-        version = os.environ.get("STANDIN_VERSION", MIN_VLLM)
-        ok = tuple(map(int, version.split("."))) >= tuple(map(int, MIN_VLLM.split(".")))
-        print(json.dumps({"ok": ok, "version": version, "needed": MIN_VLLM,
-                          "reason": "" if ok else f"vLLM {version} is older than {MIN_VLLM}"}))
-        return 0
-    return serve(Path(argv[argv.index("--serve") + 1]), StandinEngine)
+        return check()
+    p = argparse.ArgumentParser()
+    p.add_argument("-m")
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--speculative-config")
+    p.add_argument("--kv-transfer-config")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    args, _ = p.parse_known_args(argv)
+    return serve(args)
 
 
 if __name__ == "__main__":
