@@ -42,7 +42,7 @@ docs/method.md §1; prompt lookup at T=1 is transformers' assisted decoding with
 
 `vllm` (bench/results/vllm_serving.{json,png}): the same drafter served by vLLM's CPU build, throughput with and
 without speculation by concurrency. For each server (plain, then `--speculative-config {"method": <the family
-table's vllm_method>, "num_speculative_tokens": K}`; one at a time, started and stopped by eval.engine_check.vllm_server) and each
+table's vllm_method>, "num_speculative_tokens": K}`; one at a time, started and stopped by data_prep.vllm_server.vllm_server) and each
 concurrency c, the first turns of `--num-prompts` MT-bench prompts (greedy, `ignore_eos`, so every request
 generates the same length) are sent with c requests in flight: output tokens per wall second over the whole batch,
 mean request latency, and for the speculative server its mean acceptance length (1 + accepted / drafts, vLLM's
@@ -483,7 +483,7 @@ def cmd_speed(args: argparse.Namespace) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- vllm
 def run_batch(base: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:
-    from eval.engine_check import http_post_json
+    from data_prep.vllm_server import http_post_json
 
     def one(ids: list[int]) -> tuple[int, float]:
         t0 = time.perf_counter()
@@ -501,7 +501,8 @@ def run_batch(base: str, model: str, prompts: list[list[int]], max_tokens: int, 
 
 
 def serve_and_measure(args, model: str, prompts: list[list[int]], spec: dict | None, log: Path) -> list[dict]:
-    from eval.engine_check import http_get, spec_counters, vllm_server
+    from data_prep.vllm_server import http_get, vllm_server
+    from eval.engine_check import spec_counters
 
     extra = ["--speculative-config", dumps(spec)] if spec else []
     rows = []

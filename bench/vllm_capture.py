@@ -15,9 +15,9 @@ bench/results/vllm_capture.json (+ .png):
   capture.vllm.fidelity=hf) and check_engine_head (the head on vLLM's teacher against vLLM's own top-1 at every
   position, from its prompt logprobs: the default, without a transformers target), and over every sample the
   share whose last position's head argmax is the token vLLM chose (`next_token_agreement`);
-- throughput, tokens/s: HF capture (forward + hooks), vLLM capture (wall time from the engine's start-up end to
-  the last file read back, i.e. engine + file round trip), vLLM engine alone (its generate calls); vLLM's
-  start-up (engine and model load, enforce_eager) reported separately. Both on `--threads` cores (vLLM binds
+- throughput, tokens/s: HF capture (forward + hooks), vLLM capture (wall time from the server's health to the
+  last file read back: the server, HTTP and the file round trip, vllm.max_in_flight requests in flight); vLLM's
+  start-up (server and model load, enforce_eager) reported separately. Both on `--threads` cores (vLLM binds
   its OpenMP threads to the cores it finds; HF torch.set_num_threads).
 """
 
@@ -79,25 +79,30 @@ def _hf_capture(model, head, tap_layers, samples, batch_tokens: int = 8192) -> t
 
 def _vllm_capture(python: str, preset, tap_layers, samples, work_dir: Path, max_len: int,
                   engine_kwargs: dict | None = None) -> tuple[dict, dict]:
+    from data_prep.config import VLLMConfig
     from data_prep.targets import model_path
-    from data_prep.vllm_capture import VLLMJob, engine_layer_ids, stream_features
-    from data_prep.vllm_engine import EngineSpec, VLLMEngine
+    from data_prep.vllm_capture import engine_layer_ids, stream_features
+    from data_prep.vllm_client import ServerSpec, VLLMClient
+    from data_prep.vllm_server import check_vllm
 
-    spec = EngineSpec(python=python, model=model_path(preset), dtype="float32", max_model_len=max_len + 1,
-                      layer_ids=engine_layer_ids(tap_layers, preset.num_layers),
+    spec = ServerSpec(model=model_path(preset), dtype="float32", max_model_len=max_len + 1,
+                      hidden_size=preset.hidden_size, layer_ids=engine_layer_ids(tap_layers, preset.num_layers),
                       engine_kwargs=ENGINE_KWARGS if engine_kwargs is None else engine_kwargs)
+    cfg = VLLMConfig(scratch_dir=str(work_dir))
     got = {}
     start = time.perf_counter()
-    with VLLMEngine(spec, work_dir / "engine", log_path=work_dir / "vllm_capture.log") as engine:
-        engine.wait_ready()
-        job = VLLMJob(engine=engine, tap_layers=tap_layers, num_layers=preset.num_layers,
-                      hidden_size=preset.hidden_size, work_dir=work_dir / "vllm")
+    with VLLMClient(spec, cfg, python=python, cuda=bool(check_vllm(python).get("cuda")), rank=0, world=1,
+                    local_rank=0, num_devices=0, log_path=work_dir / "vllm_capture.log") as client:
+        startup = client.wait_ready()
+        capture_start = time.perf_counter()
         probe = frozenset(s.conversation_id for s in samples[:PROBE])  # vLLM's top-1 at every position of these
-        for key, taps, final, choice in stream_features(job, [(s.conversation_id, s.input_ids) for s in samples],
+        for key, taps, final, choice in stream_features(client, tap_layers, preset.num_layers, preset.hidden_size,
+                                                        [(s.conversation_id, s.input_ids) for s in samples],
                                                         logprobs=probe):
             got[key] = (taps, final, choice)
+        capture_s = time.perf_counter() - capture_start
         wall = time.perf_counter() - start
-    return got, {"wall_s": wall, "startup_s": engine.startup_s, **job.stats}
+    return got, {"wall_s": wall, "startup_s": startup, "capture_s": capture_s}
 
 
 def _diff(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> dict:
@@ -140,16 +145,14 @@ def compare(samples: list, python: str, work_dir: Path, max_len: int = 1024) -> 
                                     [vl[i][2] for i in probe])
     next_token = sum(int(head.logits(vl[i][1][-1:]).argmax(-1)[0]) == vl[i][2]["next_token"] for i in ids)
     tokens = sum(len(s.input_ids) for s in samples)
-    capture_s = vl_stats["wall_s"] - vl_stats.get("startup_s", 0.0)
+    capture_s = vl_stats["capture_s"]
     return {
         "target": TARGET, "dtype": "float32", "samples": len(samples), "tokens": tokens,
         "tap_layers": tap_layers, "vllm": vl_stats.get("vllm"),
         "taps": taps, "teacher": teacher, "argmax_agreement": same / total, "argmax_positions": total,
         "fidelity": fidelity, "engine_head_check": engine_head, "next_token_agreement": next_token / len(ids),
-        "throughput_tokens_per_s": {"hf": tokens / hf_s, "vllm": tokens / capture_s,
-                                    "vllm_engine_only": tokens / vl_stats["capture_s"]},
-        "seconds": {"hf_capture": hf_s, "vllm_capture": capture_s, "vllm_engine": vl_stats["capture_s"],
-                    "vllm_startup": vl_stats.get("startup_s")},
+        "throughput_tokens_per_s": {"hf": tokens / hf_s, "vllm": tokens / capture_s},
+        "seconds": {"hf_capture": hf_s, "vllm_capture": capture_s, "vllm_startup": vl_stats.get("startup_s")},
         "vllm_over_hf": (tokens / capture_s) / (tokens / hf_s),
     }
 
@@ -169,7 +172,7 @@ def plot(result: dict, path: Path) -> None:
     a.set_title(f"vLLM vs HF capture, fp32 ({result['tokens']} tokens)\nargmax agreement "
                 f"{result['argmax_agreement']:.4f}")
     tp = result["throughput_tokens_per_s"]
-    b.bar(["HF", "vLLM", "vLLM engine only"], [tp["hf"], tp["vllm"], tp["vllm_engine_only"]],
+    b.bar(["HF", "vLLM server"], [tp["hf"], tp["vllm"]],
           color=["tab:gray", "tab:blue", "tab:cyan"])
     b.set_ylabel("tokens/s")
     b.set_title(f"capture throughput (vLLM start-up {result['seconds']['vllm_startup']:.0f} s, excluded)")
@@ -270,9 +273,8 @@ def main() -> None:
             _, stats = _vllm_capture(args.vllm_python, preset, list(preset.tap_layers), samples, Path(tmp),
                                      args.max_len, kwargs)
         tokens = sum(len(s.input_ids) for s in samples)
-        print(dumps({"engine_kwargs": kwargs, "tokens": tokens,
-                     "capture_tokens_per_s": tokens / (stats["wall_s"] - stats["startup_s"]),
-                     "engine_tokens_per_s": tokens / stats["capture_s"], "startup_s": stats["startup_s"]}))
+        print(dumps({"engine_kwargs": kwargs, "tokens": tokens, "capture_tokens_per_s": tokens / stats["capture_s"],
+                     "startup_s": stats["startup_s"]}))
         return
     with tempfile.TemporaryDirectory(prefix="vllm_capture.") as tmp:
         result = compare(samples, args.vllm_python, Path(tmp), args.max_len)

@@ -50,10 +50,10 @@ from typing import Any, Protocol
 from data_prep.chat import end_of_turn, render_prompt
 from data_prep.conversations import Conversation, Message
 from data_prep.strict_json import dumps
+from data_prep.vllm_server import API_KEY_ENV, VLLMServerError
 
 STATUSES = ("ok", "error", "skipped")
 CONTEXT_FULL = "prompt leaves no room for a reply (prompt_fits)"
-API_KEY_ENV = "OPENAI_API_KEY"  # where the openai backend's key comes from: never the command line (ps shows it)
 
 
 class RegenerationError(RuntimeError):
@@ -264,8 +264,6 @@ class VLLMBackend(TemplateBackend):
                          chat_template=chat_template, enable_thinking=enable_thinking)
         self.client, self.seed = client, seed
         self.where = client.where
-        from data_prep.vllm_server import VLLMServerError
-
         self.fatal = (VLLMServerError,)  # a server gone or stuck is no one conversation's failure
 
     def _generate_ids(self, prompts: list[list[int]], params: SamplingParams,

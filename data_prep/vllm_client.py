@@ -39,6 +39,7 @@ from pathlib import Path
 
 from data_prep.config import ConfigError, VLLMConfig
 from data_prep.vllm_server import (
+    API_KEY_ENV,
     VLLMServer,
     VLLMServerError,
     cli_args,
@@ -48,7 +49,6 @@ from data_prep.vllm_server import (
     served_model,
 )
 
-API_KEY_ENV = "OPENAI_API_KEY"  # the key of a vllm.urls server, as the openai regeneration backend reads it
 CONNECTOR = "ExampleHiddenStatesConnector"  # vLLM's own
 CPU_CONNECTOR = "CPUHiddenStatesConnector"  # data_prep/vllm_plugin.py: the same without CUDA's pinned memory
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -150,7 +150,7 @@ class VLLMClient:
         self.scratch = Path(tempfile.mkdtemp(prefix=f"drafters-vllm-r{self.rank}-", dir=root))  # this launch's own
         if not self.cfg.urls:
             self.server = VLLMServer(self.python, serve_args(self.spec, self.scratch / "spool", self.cuda),
-                                     log_path=self.log_path, devices=self.devices).start()
+                                     log_path=self.log_path, devices=self.devices, scratch=self.scratch).start()
             self.endpoints = [Endpoint(self.server.url, self.server.key, where=self.server.describe())]
         self._pool = ThreadPoolExecutor(max_workers=self.cfg.max_in_flight, thread_name_prefix="vllm-request")
         return self

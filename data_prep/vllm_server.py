@@ -47,6 +47,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Where an OpenAI-compatible client's key comes from (never the command line: `ps` shows it): the user's server's
+# key for the openai regeneration backend and vllm.urls, and, inside `vllm_server`'s block, the started server's.
+API_KEY_ENV = "OPENAI_API_KEY"
 PLUGIN = "data_prep.vllm_plugin"  # what vLLM's python imports of ours: --check, the CPU hidden-states connector
 API_SERVER = "vllm.entrypoints.openai.api_server"
 # torchrun's (and torch.distributed's) variables: a server started from a prep rank must not take them as its own
@@ -190,9 +193,10 @@ class VLLMServer:
     builds while the caller goes on) and stops it with its process tree."""
 
     def __init__(self, python: str, args: Sequence[str], *, log_path: Path, devices: str | None = None,
-                 port: int | None = None, grace_s: float = 30.0, env: dict[str, str] | None = None):
+                 port: int | None = None, grace_s: float = 30.0, env: dict[str, str] | None = None,
+                 scratch: Path | None = None):
         self.python, self.args, self.log_path = python, list(args), Path(log_path)
-        self.devices, self.grace_s = devices, grace_s
+        self.devices, self.grace_s, self.scratch = devices, grace_s, scratch
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.key = secrets.token_urlsafe(24)
@@ -209,8 +213,8 @@ class VLLMServer:
         with open(self.log_path, "w") as log:
             # stdin: the pipe whose end-of-file tells the guard that this process is gone
             self.guard = subprocess.Popen(
-                [sys.executable, "-m", "data_prep.vllm_server", "--guard", "--grace-s", str(self.grace_s), "--",
-                 *self.command], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                [sys.executable, "-m", "data_prep.vllm_server", "--guard", "--grace-s", str(self.grace_s),
+                 *(["--scratch", str(self.scratch)] if self.scratch else []), "--", *self.command], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
                 env=self.env, start_new_session=True)
         self.started = time.perf_counter()
         return self
@@ -316,14 +320,29 @@ def served_model(url: str, key: str | None, timeout_s: float = 30.0) -> str:
 @contextmanager
 def vllm_server(python: str, model: str, *, dtype: str = "bfloat16", max_model_len: int = 2048,
                 extra_args: Sequence[str] = (), log_path: str | Path, timeout_s: float = 600.0,
-                devices: str | None = None) -> Iterator[VLLMServer]:
+                devices: str | None = None) -> Iterator[str]:
     """A healthy server of `model` for the `with` block (eager: ready in ~35 s on CPU instead of ~2 min), stopped
-    afterwards: what eval's engine check, the vLLM benches and the opt-in tests serve the target with."""
+    afterwards; yields its base URL: what eval's engine check, the vLLM benches and the opt-in tests serve the target
+    with. Its key is in this process's $OPENAI_API_KEY for the block, where our clients read it (the openai
+    regeneration backend, `http_post_json`); the previous value is restored afterwards."""
     args = ["--model", model, "--dtype", dtype, "--max-model-len", str(max_model_len), "--enforce-eager",
             *extra_args]
     with VLLMServer(python, args, log_path=Path(log_path), devices=devices) as server:
         server.wait_healthy(timeout_s)
-        yield server
+        previous = os.environ.get(API_KEY_ENV)
+        os.environ[API_KEY_ENV] = server.key
+        try:
+            yield server.url
+        finally:
+            if previous is None:
+                os.environ.pop(API_KEY_ENV, None)
+            else:
+                os.environ[API_KEY_ENV] = previous
+
+
+def http_post_json(url: str, body: dict, timeout_s: float = 600.0) -> dict:
+    """`post_json` with the key in $OPENAI_API_KEY (a `vllm_server` block's, or the user's)."""
+    return post_json(url, body, timeout_s=timeout_s, key=os.environ.get(API_KEY_ENV))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -343,10 +362,11 @@ def _server_preexec() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
 
 
-def guard(command: list[str], grace_s: float) -> int:
+def guard(command: list[str], grace_s: float, scratch: str | None = None) -> int:
     """Run `command` in this process group until it exits or standard input reaches end-of-file (the process that
-    started the guard is gone or closed it); then stop the group: SIGTERM, `grace_s` for the server to exit, then
-    SIGKILL to whatever is left (this guard included)."""
+    started the guard is gone or closed it); then stop the group: SIGTERM, `grace_s` for the server to exit, the
+    launch's `scratch` directory removed (its files are no later launch's), then SIGKILL to whatever is left (this
+    guard included)."""
     for sig in GUARD_IGNORES:
         signal.signal(sig, signal.SIG_IGN)  # the guard outlives its group's signals: it is the one that cleans up
     server = subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=_server_preexec)
@@ -371,6 +391,10 @@ def guard(command: list[str], grace_s: float) -> int:
         server.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         pass
+    if scratch:
+        import shutil
+
+        shutil.rmtree(scratch, ignore_errors=True)
     sys.stdout.flush()
     os.killpg(0, signal.SIGKILL)  # whatever is left of the group, this guard last
     return 0
@@ -383,10 +407,11 @@ def main(argv: list[str] | None = None) -> int:
                                             "standard input closes")
     p.add_argument("--guard", action="store_true", required=True)
     p.add_argument("--grace-s", type=float, default=30.0)
+    p.add_argument("--scratch", help="a directory removed once the server is stopped")
     args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if not command:
         p.error("no command after --")
-    return guard(command, args.grace_s) if args.guard else 2
+    return guard(command, args.grace_s, args.scratch) if args.guard else 2
 
 
 if __name__ == "__main__":

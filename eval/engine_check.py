@@ -8,127 +8,23 @@ starts `python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 with the targ
 evaluation prompts greedily (token ids rendered with the target's chat template, as our evaluator does),
 reads the `vllm:spec_decode_*` counters from /metrics, and prints vLLM's mean acceptance length and
 per-position acceptance. Compare with `launch/eval.py decode.mode=chain decode.depth=K` on the same prompts.
-`vllm_server` (start, wait for /health, stop) is shared with tests/test_prep_regen_vllm.py.
+The server is started, checked and stopped by data_prep/vllm_server.py (`vllm_server`), as prep's are.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import secrets
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import tempfile
 from pathlib import Path
 
 from data_prep.chat import render_prompt
-from data_prep.regenerate import API_KEY_ENV
 from data_prep.strict_json import dumps
 from data_prep.targets import load_tokenizer, model_path, resolve_target
+from data_prep.vllm_server import VLLMServerError, http_get, http_post_json, vllm_server
 from eval.prompts import load_prompts
-
-
-def http_get(url: str, timeout: float = 5.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode()
-
-
-def http_post_json(url: str, body: dict, timeout: float = 600.0) -> dict:
-    headers = {"Content-Type": "application/json"}
-    if os.environ.get(API_KEY_ENV):  # the key of the server vllm_server started (or the user's)
-        headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
-    req = urllib.request.Request(url, dumps(body).encode(), headers)
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read().decode())
-
-
-class VLLMServerError(RuntimeError):
-    """The server exited or never answered /health; the message names its log."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def vllm_server(
-    vllm_python: str,
-    model: str,
-    *,
-    port: int | None = None,
-    dtype: str = "bfloat16",
-    max_model_len: int = 2048,
-    extra_args: Sequence[str] = (),
-    log_path: str | Path | None = None,
-    ready_timeout_s: float = 600.0,
-) -> Iterator[str]:
-    """vLLM's OpenAI server (CPU build, its own venv) on 127.0.0.1 for the `with` block; yields its base URL
-    (``http://127.0.0.1:<port>``) once /health answers, and stops it (and its engine process) afterwards.
-
-    The server takes requests only with a key of its own, random per launch, so no other local user can use it:
-    handed over in its environment (VLLM_API_KEY), never on its command line (`ps` shows that), and put in this
-    process's $OPENAI_API_KEY for the block, where our clients read it (the openai regeneration backend,
-    http_post_json); the previous value is restored afterwards.
-
-    `--enforce-eager` skips graph capture: ready in ~35 s on CPU instead of ~2 min. The KV cache is 2 GiB
-    (VLLM_CPU_KVCACHE_SPACE), plenty for a small target on a small machine.
-    """
-    port = port or free_port()
-    cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", dtype,
-           "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
-           *extra_args]
-    key = secrets.token_urlsafe(24)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), "VLLM_API_KEY": key}
-    previous_key = os.environ.get(API_KEY_ENV)
-    base = f"http://127.0.0.1:{port}"
-    where = f"see {log_path}" if log_path else "pass log_path to keep its log"
-    if log_path:
-        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path or os.devnull, "w") as log:
-        # Own process group: the API server forks an engine-core process, which must go down with it.
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            deadline = time.time() + ready_timeout_s
-            while True:
-                if server.poll() is not None:
-                    raise VLLMServerError(f"vLLM exited with {server.returncode} before serving ({where})")
-                try:
-                    http_get(base + "/health")
-                    break
-                except OSError:
-                    if time.time() > deadline:
-                        raise VLLMServerError(f"vLLM not ready within {ready_timeout_s:.0f} s ({where})") from None
-                    time.sleep(2)
-            os.environ[API_KEY_ENV] = key
-            yield base
-        finally:
-            if previous_key is None:
-                os.environ.pop(API_KEY_ENV, None)
-            else:
-                os.environ[API_KEY_ENV] = previous_key
-            _stop(server)
-
-
-def _stop(server: subprocess.Popen, grace_s: float = 60.0) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(server.pid, sig)
-        except ProcessLookupError:  # already gone, with its group
-            return
-        try:
-            server.wait(timeout=grace_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def spec_counters(metrics_text: str) -> dict:
@@ -184,7 +80,6 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--port", type=int, default=8011)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -196,7 +91,7 @@ def main() -> None:
     spec = {"method": method, "model": str(Path(args.drafter).resolve()), "num_speculative_tokens": args.k}
     log = Path(args.out).with_suffix(".vllm.log") if args.out else None
     try:
-        with vllm_server(args.vllm_python, model_path(preset), port=args.port, log_path=log,
+        with vllm_server(args.vllm_python, model_path(preset), log_path=log or Path(tempfile.gettempdir()) / "engine_check.vllm.log",
                          extra_args=["--speculative-config", dumps(spec)]) as base:
             before = spec_counters(http_get(base + "/metrics"))
             for ids in prompts:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -22,23 +21,20 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_prep
+from vllm_standin import standin_python
 
 from data_prep.config import PrepConfig
 from data_prep.shards import ShardSet, completed_sample_ids
 from data_prep.vllm_capture import VLLMCaptureError, aux_layer_ids
-from data_prep.vllm_server import VLLMUnavailable, check_vllm, resolve_python
 from data_prep.vllm_plugin import MIN_VLLM
+from data_prep.vllm_server import VLLMUnavailable, check_vllm, resolve_python
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = os.environ.get("DRAFTERS_VLLM_PYTHON", "")
 
 
 def standin(tmp_path: Path) -> str:
-    """An executable that takes the vLLM python's place (tests/vllm_standin.py under this interpreter)."""
-    path = tmp_path / "standin-python"
-    path.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{ROOT / "tests" / "vllm_standin.py"}" "$@"\n')
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    return str(path)
+    return standin_python(tmp_path)
 
 
 def test_layer_ids_map_taps_and_teacher_to_vllm_aux_ids() -> None:
@@ -407,3 +403,107 @@ def test_real_vllm_prep_loads_no_transformers_target(tmp_path: Path, monkeypatch
     assert summary["fidelity"]["vllm"]["argmax_agreement"] >= ARGMAX_AGREEMENT
     for split in ("train", "eval"):  # every rendered sample captured (a conversation over max_len is skipped)
         assert 0 < len(ShardSet(tmp_path / "p" / split)) == summary["samples"][split]
+
+
+def _prep_process(out: Path, model: Path, data: Path, env: dict, **overrides) -> subprocess.Popen:
+    """`python launch/prep.py ...` in a process of its own (as `make prep` runs it)."""
+    args = [f"{k}={v}".replace(" ", "") for k, v in {**overrides, "model": model, "data": data, "out": out}.items()]
+    return subprocess.Popen([sys.executable, str(ROOT / "launch" / "prep.py"), *args], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **env})
+
+
+def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    import time
+
+    deadline = time.time() + timeout_s
+    while not (path.exists() and text in path.read_text()):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+
+
+def _gone(pids: list[int], timeout_s: float = 20.0) -> bool:
+    import time
+
+    def alive(pid: int) -> bool:
+        stat = Path(f"/proc/{pid}/stat")
+        return stat.exists() and stat.read_text().split()[2] not in ("Z", "X")
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and any(map(alive, pids)):
+        time.sleep(0.2)
+    return not any(map(alive, pids))
+
+
+def test_kill_9_of_prep_leaves_no_server_and_sigterm_resumes_equal(tmp_path: Path, tiny_target_dir: Path,
+                                                                  tiny_sharegpt_file: Path) -> None:
+    """kill -9 of prep mid-capture: its server and the server's own child are gone within seconds, and the rerun's
+    launch reads none of its files. SIGTERM mid-capture: the samples written are recorded in a last shard, exit 75,
+    and the resume gives the uninterrupted prep's shards, every sample once."""
+    import signal
+
+    common = {"num_samples": 8, "eval_samples": 2, "regen.enabled": False, "capture.tap_layers": [1, 3, 7],
+              "draft_vocab_count": "train"}
+    hf = run_prep(tmp_path / "hf", str(tiny_target_dir), str(tiny_sharegpt_file), **common)
+    log = tmp_path / "standin.log"
+    vllm_cfg = {**common, "capture.engine": "vllm", "vllm.python": standin(tmp_path), "capture.tokens_per_shard": 1,
+                "vllm.max_in_flight": 2, "vllm.scratch_dir": str(tmp_path / "scratch")}
+    env = {"STANDIN_LOG": str(log), "STANDIN_SLOW_S": "0.3"}
+    out = tmp_path / "vllm"
+    proc = _prep_process(out, tiny_target_dir, tiny_sharegpt_file, env, **vllm_cfg)
+    _wait_for(log, "capture sample", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    server = json.loads(next(line for line in log.read_text().splitlines() if line.startswith("server "))[7:])
+    assert _gone([server["pid"], server["child"]]), "prep's vLLM server outlived kill -9 of prep"
+
+    log.unlink()
+    proc = _prep_process(out, tiny_target_dir, tiny_sharegpt_file, env, **vllm_cfg)
+    _wait_for(log, "capture sample\ncapture sample\ncapture sample", proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]  # preempted: resumable
+    server = json.loads(next(line for line in log.read_text().splitlines() if line.startswith("server "))[7:])
+    assert _gone([server["pid"], server["child"]])
+    written = completed_sample_ids(out / "train") | completed_sample_ids(out / "eval")
+    assert 0 < len(written) < sum(hf["samples"].values())
+    summary = run_prep(out, str(tiny_target_dir), str(tiny_sharegpt_file), **vllm_cfg)
+    assert summary["samples"] == hf["samples"] and summary["tokens"] == hf["tokens"]
+    _assert_same_shards(out, tmp_path / "hf", "hidden")  # every sample once, equal to the HF capture's
+    assert not list((tmp_path / "scratch").iterdir())
+
+
+def test_prep_on_the_users_servers(tmp_path: Path, tiny_target_dir: Path, tiny_sharegpt_file: Path,
+                                   monkeypatch) -> None:
+    """vllm.urls: a server already running (started with the flags docs/scaling.md gives; its key in
+    $OPENAI_API_KEY) regenerates and captures; prep starts none and gives the HF route's replies and shards."""
+    from data_prep.vllm_capture import engine_layer_ids
+    from data_prep.vllm_client import ServerSpec, serve_args
+    from data_prep.vllm_server import VLLMServer
+
+    common = {"num_samples": 6, "eval_samples": 2, "regen.max_new_tokens": 12, "regen.batch_size": 1,
+              "capture.tap_layers": [1, 3, 7], "draft_vocab_count": "train"}
+    run_prep(tmp_path / "hf", str(tiny_target_dir), str(tiny_sharegpt_file), **common)
+    log = tmp_path / "standin.log"
+    monkeypatch.setenv("STANDIN_LOG", str(log))
+    spec = ServerSpec(model=str(tiny_target_dir), dtype="float32", max_model_len=2049, hidden_size=64,
+                      layer_ids=engine_layer_ids([1, 3, 7], 8))
+    with VLLMServer(standin(tmp_path), serve_args(spec, tmp_path / "server-spool", cuda=False),
+                    log_path=tmp_path / "server.log") as server:
+        server.wait_healthy(120)
+        monkeypatch.setenv("OPENAI_API_KEY", server.key)
+        out = tmp_path / "vllm"
+        run_prep(out, str(tiny_target_dir), str(tiny_sharegpt_file), **common,
+                 **{"regen.backend": "vllm", "capture.engine": "vllm", "vllm.urls": [server.url]})
+    assert sum(line.startswith("server ") for line in log.read_text().splitlines()) == 1  # the user's, only
+    assert _replies(out) == _replies(tmp_path / "hf")
+    _assert_same_shards(out, tmp_path / "hf", "hidden")
+    assert not (out / "vllm.r0.log").exists()  # prep started no server
+
+
+def test_an_unusable_vllm_python_is_one_message_and_exit_2(tmp_path: Path, tiny_target_dir: Path,
+                                                           tiny_sharegpt_file: Path) -> None:
+    proc = _prep_process(tmp_path / "p", tiny_target_dir, tiny_sharegpt_file, {}, num_samples=4, eval_samples=2,
+                         **{"regen.enabled": False, "capture.engine": "vllm", "vllm.python": "venv/bin/python"})
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in err, err[-3000:]
+    assert "vllm.python='venv/bin/python' is not an executable file" in err

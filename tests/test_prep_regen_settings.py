@@ -221,12 +221,12 @@ HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 
 @pytest.mark.integration
 def test_the_servers_we_start_take_a_key_of_their_own(tmp_path: Path, monkeypatch) -> None:
-    """eval.engine_check.vllm_server (behind make regen-check, engine-check, the vLLM benches) starts its server with
+    """data_prep.vllm_server.vllm_server (behind make regen-check, engine-check, the vLLM benches) starts its server with
     a random key in the server's environment, never on its command line, and our clients use it for the block.
     The server here is a stand-in speaking vLLM's protocol (vLLM has its own venv, not the suite's)."""
     from data_prep.conversations import Conversation, Message
     from data_prep.regenerate import OpenAIBackend, RegenerationError, read_results, regenerate
-    from eval.engine_check import http_post_json, vllm_server
+    from data_prep.vllm_server import http_post_json, vllm_server
 
     for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy", "OPENAI_API_KEY"):
         monkeypatch.delenv(var, raising=False)
@@ -237,7 +237,7 @@ def test_the_servers_we_start_take_a_key_of_their_own(tmp_path: Path, monkeypatc
     python.write_text(f'#!/bin/sh\nexec {sys.executable} {tmp_path / "server.py"} "$@"\n')
     python.chmod(0o755)
     convs = [Conversation("a", [Message("user", "hi"), Message("assistant", "x")], "t")]
-    with vllm_server(str(python), "target", log_path=tmp_path / "log", ready_timeout_s=60) as base:
+    with vllm_server(str(python), "target", log_path=tmp_path / "log", timeout_s=60) as base:
         s = regenerate(convs, OpenAIBackend(base + "/v1", "target"), tmp_path / "r.jsonl", max_new_tokens=4,
                        progress=False)
         reply = http_post_json(base + "/v1/chat/completions", {"model": "target", "messages": [

@@ -37,6 +37,14 @@ from pathlib import Path
 MIN_VLLM = "0.32.0"
 
 
+def standin_python(tmp_path: Path) -> str:
+    """An executable that takes the vLLM python's place: this module under the suite's interpreter."""
+    path = tmp_path / "standin-python"
+    path.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{Path(__file__).resolve()}" "$@"\n')
+    path.chmod(0o755)
+    return str(path)
+
+
 def log(line: str) -> None:
     if os.environ.get("STANDIN_LOG"):
         with open(os.environ["STANDIN_LOG"], "a") as f:
