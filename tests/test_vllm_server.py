@@ -259,3 +259,30 @@ def test_a_server_that_refuses_its_settings_fails_at_once_with_vllms_reason(tmp_
             client.check_alive()
             time.sleep(0.1)
     client.close()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("overrides", "nproc"), [
+    ([], "8"),  # the transformers route: one rank per GPU
+    (["regen.backend=vllm", "capture.engine=vllm"], "8"),  # TP 1: one server per GPU
+    (["capture.engine=vllm", "vllm.tensor_parallel_size=2"], "4"),
+    (["regen.backend=vllm", "capture.engine=vllm", "vllm.tensor_parallel_size=8"], "1"),
+    (["capture.engine=vllm", "vllm.urls=[http://n1:8000]"], "1"),
+])
+def test_the_slurm_prep_script_starts_one_rank_per_server_group(tmp_path: Path, overrides: list[str],
+                                                                nproc: str) -> None:
+    """launch/slurm/prep.sbatch under stand-ins for srun and scontrol, submitted from elsewhere: the repository's
+    own torchrun, and ranks per node from the engine chosen."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "srun.args"}\n')
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node0\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PREP_DIR": str(tmp_path / "prep"),
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[0-1]", "SLURM_GPUS_ON_NODE": "8", "SLURM_SUBMIT_DIR": str(ROOT)}
+    done = subprocess.run(["bash", str(ROOT / "launch" / "slurm" / "prep.sbatch"), *overrides], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=60)
+    args = (tmp_path / "srun.args").read_text().split()
+    assert args[1] == str(ROOT / ".venv" / "bin" / "torchrun"), (args, done.stderr)
+    assert args[args.index("--nproc_per_node") + 1] == nproc and args[args.index("--nnodes") + 1] == "2"
