@@ -26,7 +26,6 @@ deleted); answers are taken in the order sent, so shards are written in capture 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from data_prep.config import ConfigError, VLLMConfig
+from data_prep.strict_json import dumps
 from data_prep.vllm_server import (
     API_KEY_ENV,
     VLLMServer,
@@ -88,7 +88,7 @@ def serve_args(spec: ServerSpec, storage: str | Path, cuda: bool) -> list[str]:
               "kv_connector_extra_config": {"shared_storage_path": str(storage), "allow_custom_save_path": True}}
         if not cuda:
             kv.update(kv_connector=CPU_CONNECTOR, kv_connector_module_path="data_prep.vllm_plugin")
-        args += ["--speculative-config", json.dumps(extract), "--kv-transfer-config", json.dumps(kv)]
+        args += ["--speculative-config", dumps(extract), "--kv-transfer-config", dumps(kv)]
     return args + cli_args(spec.engine_kwargs)
 
 

@@ -46,6 +46,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from data_prep.strict_json import dumps
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Where an OpenAI-compatible client's key comes from (never the command line: `ps` shows it): the user's server's
 # key for the openai regeneration backend and vllm.urls, and, inside `vllm_server`'s block, the started server's.
@@ -162,7 +164,7 @@ def cli_args(kwargs: dict) -> list[str]:
         elif value is False:
             args.append("--no-" + key.replace("_", "-"))
         elif isinstance(value, dict):
-            args += [flag, json.dumps(value)]
+            args += [flag, dumps(value)]
         elif isinstance(value, (list, tuple)):
             args += [flag, *map(str, value)]
         elif value is not None:
@@ -292,7 +294,7 @@ def post_json(url: str, body: dict, *, timeout_s: float, key: str | None = None,
     server refuses it (its own message), cannot be reached, or does not answer within `timeout_s`."""
     where = where or url
     headers = {"Content-Type": "application/json", **_auth(key)}
-    req = urllib.request.Request(url, json.dumps(body, allow_nan=False).encode(), headers)
+    req = urllib.request.Request(url, dumps(body).encode(), headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             return json.loads(r.read().decode())
