@@ -1,5 +1,6 @@
-# Every user target depends on `setup`, which builds .venv once (torch pinned to the local CPU wheel
-# where one exists; the same pin gives the CUDA build on a GPU machine).
+# The pipeline's targets (prep, train, plan, export, eval, test, ...) depend on `setup`, which builds .venv once
+# (torch pinned to the local CPU wheel where one exists; the same pin gives the CUDA build on a GPU machine); the
+# vLLM, SpecForge and GPU-wheel targets build their own environments.
 SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
@@ -168,21 +169,20 @@ $(SPECFORGE_VENV)/bin/python:
 
 # The GPU check (bench/gpu_check.py, docs/gpu-check.md): TTT attention kernels against `reference`, ZeRO-3 over
 # nccl against the CPU fp32 run, lossless greedy decoding, bf16 train-step tokens/s and peak memory at 2K/8K/40K,
-# verify(m)/step; one CUDA GPU, at most 8 minutes (470 s of section budgets). It runs under a plain python3 with
-# torch and transformers: on the device machine, whose python3 lacks DeepSpeed and Hydra, the wheels of
-# `make gpu-wheels` travel with the call. DRY_RUN=1: the same sections on this CPU at tiny sizes (fp32, gloo,
-# the CPU attention backends), JSON in a temporary directory; tests/test_gpu_check.py runs it in `make test`.
-# The one device call (the `run` tool; carry [".whl"], timeout_s 540), after `make gpu-wheels` here:
-#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .gpu-site .whl/*.whl && export PYTHONPATH=$PWD/.gpu-site || exit; PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --out $OUT/gpu_check.json 2>&1 | tee $OUT/gpu_check.log
+# verify(m)/step; one CUDA GPU, at most 8 minutes (470 s of section budgets). DRY_RUN=1: the same sections on this
+# CPU at tiny sizes (fp32, gloo, the CPU attention backends), JSON in a temporary directory;
+# tests/test_gpu_check.py runs it in `make test`. On a GPU machine without this environment (air-gapped
+# included), the wheels of `make gpu-wheels` install it offline (docs/gpu-check.md).
 GPU_CHECK_ARGS ?=
 gpu-check: $(if $(filter-out 0,$(DRY_RUN)),setup)
 	$(if $(filter-out 0,$(DRY_RUN)),$(BIN)/python,python3) bench/gpu_check.py \
 		$(if $(filter-out 0,$(DRY_RUN)),--dry-run) $(GPU_CHECK_ARGS)
 
-# What the GPU check imports beyond the device machine's torch/transformers 5.17/numpy, at this venv's versions
-# (transformers too: the project calls its models with `cache=`, which 5.17 does not take), as wheels for
-# CPython 3.12 on manylinux x86_64 in .whl/ (~20 MB of the call's 64 MiB). PyPI has only sdists of
-# deepspeed and antlr4-python3-runtime: those are built here as pure-Python wheels (DS_BUILD_OPS=0: no ops).
+# An offline wheelhouse for a GPU machine whose python3 has torch, transformers and numpy but not the rest of the
+# GPU check's imports (docs/gpu-check.md): those at this venv's versions (transformers too: the project calls its
+# models with `cache=`, which 5.17 does not take), as wheels for CPython 3.12 on manylinux x86_64 in .whl/ (~20 MB).
+# PyPI has only sdists of deepspeed and antlr4-python3-runtime: those are built here as pure-Python wheels
+# (DS_BUILD_OPS=0: no ops).
 GPU_WHEELS := deepspeed hjson pydantic pydantic_core annotated-types typing-inspection typing_extensions \
 	hydra-core omegaconf antlr4-python3-runtime transformers
 GPU_WHEEL_TARGET := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \

@@ -46,7 +46,7 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from data_prep.strict_json import dumps
+from infra.strict_json import dumps
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -42,7 +42,7 @@ docs/method.md §1; prompt lookup at T=1 is transformers' assisted decoding with
 
 `vllm` (bench/results/vllm_serving.{json,png}): the same drafter served by vLLM's CPU build, throughput with and
 without speculation by concurrency. For each server (plain, then `--speculative-config {"method": <the family
-table's vllm_method>, "num_speculative_tokens": K}`; one at a time, started and stopped by data_prep.vllm_server.vllm_server) and each
+table's vllm_method>, "num_speculative_tokens": K}`; one at a time, started and stopped by infra.vllm_server.vllm_server) and each
 concurrency c, the first turns of `--num-prompts` MT-bench prompts (greedy, `ignore_eos`, so every request
 generates the same length) are sent with c requests in flight: output tokens per wall second over the whole batch,
 mean request latency, and for the speculative server its mean acceptance length (1 + accepted / drafts, vLLM's
@@ -64,7 +64,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from data_prep.strict_json import dumps
+from infra.strict_json import dumps
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKENS = (1, 2, 3, 5, 9, 17, 33, 64)
@@ -433,9 +433,9 @@ def plot_speed(rows: list[dict], path: Path) -> None:
 
 
 def cmd_speed(args: argparse.Namespace) -> dict:
-    from data_prep.strict_json import json_safe
     from eval.config import DecodeConfig
     from eval.run import run_eval
+    from infra.strict_json import json_safe
 
     temps = [float(t) for t in args.temperatures.split(",")]
     modes = args.modes.split(",")
@@ -483,7 +483,7 @@ def cmd_speed(args: argparse.Namespace) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- vllm
 def run_batch(base: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:
-    from data_prep.vllm_server import http_post_json
+    from infra.vllm_server import http_post_json
 
     def one(ids: list[int]) -> tuple[int, float]:
         t0 = time.perf_counter()
@@ -501,8 +501,8 @@ def run_batch(base: str, model: str, prompts: list[list[int]], max_tokens: int, 
 
 
 def serve_and_measure(args, model: str, prompts: list[list[int]], spec: dict | None, log: Path) -> list[dict]:
-    from data_prep.vllm_server import http_get, vllm_server
     from eval.engine_check import spec_counters
+    from infra.vllm_server import http_get, vllm_server
 
     extra = ["--speculative-config", dumps(spec)] if spec else []
     rows = []

@@ -23,11 +23,11 @@ and the others still run):
               against one token, for random bf16 targets of the embedded and the Llama-3.1-8B geometry.
 With DRY_RUN=1 (or --dry-run) the same sections run on the CPU at tiny sizes in fp32, gloo instead of nccl
 and the CPU backends (chunked, fused) instead of flex/flash; the JSON then goes to a temporary directory.
-A short table is printed last; the JSON goes to --out, else $OUT/gpu_check.json when $OUT is set, else
-bench/results/gpu/gpu_check.json. Exit status 1 when a section did not pass.
+A short table is printed last; the JSON goes to --out, else bench/results/gpu/gpu_check.json. Exit status 1
+when a section did not pass.
 
-Runs under a plain python3 with torch, transformers and the carried wheels (deepspeed, hydra-core, ...) on
-PYTHONPATH; it needs nothing else of the project's environment.
+Runs under a plain python3 with torch, transformers and the wheels of `make gpu-wheels` (deepspeed, hydra-core,
+...) on PYTHONPATH; it needs nothing else of the project's environment (docs/gpu-check.md).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the project's packages from the checkout
     sys.path.insert(0, str(ROOT))
 
-from data_prep.strict_json import dumps  # noqa: E402
+from infra.strict_json import dumps  # noqa: E402
 
 SECTIONS = ("attention", "zero3", "spec_decode", "train_step", "verify")
 BF16_TOL = 2e-2  # relative error of bf16 operands against an fp32 reference (bf16 keeps 8 mantissa bits)
@@ -853,8 +853,6 @@ def environment() -> dict[str, Any]:
 def default_out(dry_run: bool) -> Path:
     if dry_run:  # a dry run is no GPU result: never under bench/results/gpu/
         return Path(tempfile.mkdtemp(prefix="gpu_check_dry_")) / "gpu_check.json"
-    if os.environ.get("OUT") and Path(os.environ["OUT"]).is_dir():
-        return Path(os.environ["OUT"]) / "gpu_check.json"
     return ROOT / "bench" / "results" / "gpu" / "gpu_check.json"
 
 

@@ -87,7 +87,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the specforge venv has no editable install of this repo
     sys.path.insert(0, str(ROOT))
 
-from data_prep.strict_json import dumps  # noqa: E402
+from infra.strict_json import dumps  # noqa: E402
 from train.config import RunConfig  # noqa: E402
 
 EXPORTS = "exports"

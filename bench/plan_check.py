@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from data_prep.strict_json import dumps  # noqa: E402
+from infra.strict_json import dumps  # noqa: E402
 
 TARGET = "smollm2-135m-instruct"
 VD, K, CHUNK, WARMUP_TOKENS = 32000, 7, 1024, 256

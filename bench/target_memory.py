@@ -35,7 +35,7 @@ import threading
 import time
 from pathlib import Path
 
-from data_prep.strict_json import dumps
+from infra.strict_json import dumps
 
 ROOT = Path(__file__).resolve().parents[1]
 # "none": the same worker without the weights (tokenizer, config, the model's modules on the meta device, the

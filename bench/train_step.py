@@ -50,7 +50,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from data_prep.strict_json import dumps
+from infra.strict_json import dumps
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from data_prep.strict_json import dumps
+from infra.strict_json import dumps
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -83,7 +83,7 @@ def _vllm_capture(python: str, preset, tap_layers, samples, work_dir: Path, max_
     from data_prep.targets import model_path
     from data_prep.vllm_capture import engine_layer_ids, stream_features
     from data_prep.vllm_client import ServerSpec, VLLMClient
-    from data_prep.vllm_server import check_vllm
+    from infra.vllm_server import check_vllm
 
     spec = ServerSpec(model=model_path(preset), dtype="float32", max_model_len=max_len + 1,
                       hidden_size=preset.hidden_size, layer_ids=engine_layer_ids(tap_layers, preset.num_layers),

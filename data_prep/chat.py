@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from data_prep.conversations import Message
-from data_prep.strict_json import dumps
+from infra.strict_json import dumps
 
 MessageLike = Message | Mapping[str, Any]
 _WS = re.compile(r"\s*")
@@ -369,6 +369,13 @@ def template_hash(tokenizer, chat_template: str | None = None) -> str:
     """Short sha256 of the chat template text and the special tokens it can refer to."""
     template = tokenizer.get_chat_template(chat_template)
     payload = dumps({"template": template, "special": tokenizer.special_tokens_map}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """Short sha256 of the tokenizer's vocabulary and rules (what a prep's shards and an export record)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    payload = backend.to_str() if backend is not None else dumps(tokenizer.get_vocab(), sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-
-class ConfigError(ValueError):
-    """A configuration that composes but cannot run; the message names the key."""
-
+from infra.config_keys import ConfigError, check_keys
 
 # Prep keys renamed so that prep, training and evaluation name each concept once (data.max_len in training):
 # old -> new. An old key is refused, naming the new one (`refuse_renamed`, `check_keys`).
@@ -27,18 +21,6 @@ REPLACED_KEYS = {
     "capture.vllm.max_pending_files": "the vLLM capture is bounded in bytes of node-local scratch: vllm.scratch_gb",
     "capture.vllm.chunk_tokens": "requests go to vLLM's server one per sample, vllm.max_in_flight at a time",
 }
-
-
-def refuse_renamed(overrides: list[str], renamed: dict[str, str], replaced: dict[str, str] | None = None) -> None:
-    """ConfigError for a command-line override (`key=value`, `+key=value`, `~key`) of a renamed key, before
-    Hydra composes anything (whose own error would only say the key is unknown)."""
-    for arg in overrides:
-        key = arg.split("=", 1)[0].lstrip("+~")
-        if key in (replaced or {}):
-            raise ConfigError(f"'{key}' is no longer read: {replaced[key]}")  # type: ignore[index]
-        if key in renamed:
-            value = arg.split("=", 1)[1] if "=" in arg else "..."
-            raise ConfigError(f"'{key}' is now '{renamed[key]}': pass {renamed[key]}={value}")
 
 
 @dataclass
@@ -232,29 +214,3 @@ def prep_config(raw: DictConfig) -> PrepConfig:
     """A composed Hydra config as a typed PrepConfig, every key checked against the schema."""
     check_keys(OmegaConf.to_container(raw, resolve=False), PrepConfig, renamed=RENAMED_KEYS, replaced=REPLACED_KEYS)
     return OmegaConf.to_object(raw)
-
-
-def check_keys(node: Any, schema: type, prefix: str = "", renamed: dict[str, str] | None = None,
-               replaced: dict[str, str] | None = None) -> None:
-    """ConfigError for a key of `node` that `schema` (a dataclass, nested) lacks, with the closest known key
-    (a key of `renamed`, full dotted name -> its new name: that name; of `replaced`, full dotted name -> what
-    replaced it: that). Hydra's `+key=value` opens the struct flag, so an appended key slips past the schema
-    otherwise (and the default is silently used). Shared by prep and train."""
-    if not isinstance(node, dict):
-        return
-    for key, value in node.items():
-        full = f"{prefix}{key}"
-        if full in (replaced or {}):
-            raise ConfigError(f"'{full}' is no longer read: {replaced[full]}")  # type: ignore[index]
-        if full in (renamed or {}):
-            raise ConfigError(f"'{full}' is now '{renamed[full]}'")  # type: ignore[index]
-        if not dataclasses.is_dataclass(schema):
-            continue  # below a known key that is no section: an old section's keys are checked above only
-        known = {f.name: f for f in dataclasses.fields(schema)}
-        if key not in known:
-            # a section that moved away: its keys' own messages first (capture.vllm.python -> vllm.python)
-            check_keys(value, None, f"{full}.", renamed, replaced)  # type: ignore[arg-type]
-            close = difflib.get_close_matches(str(key), list(known), n=1)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {sorted(known)}"
-            raise ConfigError(f"unknown config key '{full}' (not in {schema.__name__}){hint}")
-        check_keys(value, typing.get_type_hints(schema)[key], f"{full}.", renamed, replaced)

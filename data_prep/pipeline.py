@@ -22,8 +22,12 @@ ids) and a tokenizer without a chat template; right after, before any regenerati
 on a probe batch that the head and taps the prep stores reproduce the target's own computation (with
 regen.backend=vllm the transformers target loads after the regeneration, and the check runs then).
 
-Prep's vLLM engine (data_prep/vllm_engine.py, one per part) starts first when regen.backend=vllm or
-capture.engine=vllm: the engine that regenerates is the engine that captures.
+The stages follow one plan, computed once from the config (`plan_prep`: which backend regenerates, which engine
+captures, whether and when the transformers target loads). Prep's vLLM server (data_prep/vllm_client.py: one per
+rank on its own devices, or the user's vllm.urls) starts right after the data is loaded and checked, before the
+head loads, when regen.backend=vllm or capture.engine=vllm: the server that regenerates is the one that captures.
+The dataset-wide vocabulary count runs beside its startup and stops as soon as it exits; prep then waits for its
+health (bounded by vllm.timeout_s) before the probe and the regeneration.
 
 Work is split across torchrun ranks by position (sample i goes to rank i % world); each rank writes
 its own shards and the last step (rank 0) merges the manifests. With capture.tensor_parallel_size=t the target is
@@ -35,7 +39,6 @@ regenerations and already-written samples are skipped on a rerun.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -46,16 +49,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 from data_prep.capture import HiddenStateCapture, capture_samples
-from data_prep.chat import Dropped, render_conversation, render_prompt, template_hash
+from data_prep.chat import Dropped, render_conversation, render_prompt, template_hash, tokenizer_hash
 from data_prep.config import PrepConfig, held_out_count
 from data_prep.conversations import Conversation, Message, SkipReport, load_conversations, split_conversations
-from data_prep.dirlock import claim, holding
 from data_prep.fidelity import check_fidelity, probe_batch
-from data_prep.preemption import Preempted, StopSignals
 from data_prep.rendered import (
     RENDERED_DIR,
     Rendered,
@@ -79,7 +80,6 @@ from data_prep.shards import (
     write_prep_summary,
     writing,
 )
-from data_prep.strict_json import dumps
 from data_prep.targets import (
     TargetPreset,
     check_tensor_parallel,
@@ -100,6 +100,10 @@ from data_prep.vocab import (
     save_draft_vocab,
     selection_scores,
 )
+from infra.dirlock import claim, holding
+from infra.files import save_safetensors
+from infra.preemption import Preempted, StopSignals
+from infra.strict_json import dumps
 from models.config import check_target
 from models.target_head import TargetHead
 
@@ -234,12 +238,6 @@ def template_kwargs(cfg: PrepConfig, preset: TargetPreset) -> dict:
     return {} if thinking is None else {"enable_thinking": thinking}
 
 
-def tokenizer_hash(tokenizer) -> str:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    payload = backend.to_str() if backend is not None else dumps(tokenizer.get_vocab(), sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
-
-
 def render_all(cfg: PrepConfig, tokenizer, convs: list[Conversation], preset: TargetPreset):
     """The training samples of `convs`. A regenerated reply cut at regen.max_new_tokens (Message.cut) never teaches
     the end of turn after it (render_conversation leaves it out of the mask); regen.on_length=drop skips its
@@ -282,7 +280,7 @@ def length_batches(samples: list[Rendered], batch_tokens: int) -> list[list[Rend
 def capture_split(cfg, head, capture, spec, samples, root: Path, rank: int, device: str, group=None) -> dict:
     """Capture `samples` into this rank's shards (`rank`: the shard files' rank). `group`: a tensor-parallel group
     (capture.tensor_parallel_size > 1): its ranks hold the same samples and run the same forwards together; its
-    first rank writes them. SIGTERM/SIGUSR1 (data_prep/preemption.py) end it after the batch in flight: its samples
+    first rank writes them. SIGTERM/SIGUSR1 (infra/preemption.py) end it after the batch in flight: its samples
     go into a last shard, recorded, and Preempted (exit status 75) is raised; a rerun captures the rest."""
     write = group is None or dist.get_rank(group) == 0
     writer = ShardWriter(root, spec, rank=rank, tokens_per_shard=cfg.capture.tokens_per_shard) if write else None
@@ -505,12 +503,12 @@ def run(cfg: PrepConfig) -> dict | None:
     if cfg.stage == "vocab":
         if int(os.environ.get("RANK", 0)) != 0:
             return None
-        with holding(cfg.out, "prep"):  # rank 0's work alone; one writer per prep dir (data_prep/dirlock.py)
+        with holding(cfg.out, "prep"):  # rank 0's work alone; one writer per prep dir (infra/dirlock.py)
             return rebuild_draft_vocab(cfg)
     rank, world = _world()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    lock = claim(out, "prep", rank, world)  # one writer per prep dir (data_prep/dirlock.py)
+    lock = claim(out, "prep", rank, world)  # one writer per prep dir (infra/dirlock.py)
     try:
         return _run_claimed(cfg, out, rank, world)
     finally:  # released on an error too: a failed prep must not keep its directory locked in this process
@@ -590,7 +588,7 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
         if plan.vllm:  # first: a server that cannot start fails the prep before any other long work
             python, cuda = None, False
             if not cfg.vllm.urls:
-                from data_prep.vllm_server import ready
+                from infra.vllm_server import ready
 
                 python, info = ready(cfg.vllm.python)
                 cuda = bool(info.get("cuda"))
@@ -612,7 +610,7 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
         if cfg.draft_vocab_count == "dataset" and writes:  # forward-free: beside the servers' startup
             share = dataset_token_counts(cfg, tokenizer, splits["pool"], preset, spec.vocab_size, part, parts,
                                          alive=client.check_alive if client is not None else None)
-            save_file({"counts": share}, str(out / f"dataset_counts.r{part}.safetensors"))
+            save_safetensors({"counts": share}, out / f"dataset_counts.r{part}.safetensors")
         if client is not None:
             client.wait_ready()
         probe = probe_batch(tokenizer, splits["train"], cfg.max_len, template_kwargs(cfg, preset))

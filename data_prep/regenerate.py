@@ -49,8 +49,8 @@ from typing import Any, Protocol
 
 from data_prep.chat import end_of_turn, render_prompt
 from data_prep.conversations import Conversation, Message
-from data_prep.strict_json import dumps
-from data_prep.vllm_server import API_KEY_ENV, VLLMServerError
+from infra.strict_json import dumps
+from infra.vllm_server import API_KEY_ENV, VLLMServerError
 
 STATUSES = ("ok", "error", "skipped")
 CONTEXT_FULL = "prompt leaves no room for a reply (prompt_fits)"

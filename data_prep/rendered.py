@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from data_prep.shards import ShardError, ShardSpec, sha256_file, spec_fields, writing
-from data_prep.strict_json import dumps
+from infra.files import save_safetensors
+from infra.strict_json import dumps
 
 RENDERED_DIR = "rendered"
 SPEC_FILE = "spec.json"
@@ -84,7 +84,7 @@ def write_split(prep_dir: Path, split: str, rank: int, world: int, samples: list
         "loss_mask": torch.cat([s.loss_mask for s in samples]).to(torch.bool) if samples
         else torch.zeros(0, dtype=torch.bool),
     }
-    _atomic(data, lambda p: save_file(tensors, str(p)))
+    _atomic(data, lambda p: save_safetensors(tensors, p))
     info = {"file": data.name, "rank": rank, "sample_ids": [s.conversation_id for s in samples],
             "lengths": lengths, "sha256": sha256_file(data)}
     _atomic(index, lambda p: p.write_text(dumps(info)))

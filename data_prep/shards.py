@@ -45,9 +45,9 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
-from data_prep.strict_json import dumps
+from infra.files import save_safetensors
+from infra.strict_json import dumps
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -333,7 +333,7 @@ class ShardWriter:
         path = self.root / name
         tmp = path.with_name(path.name + ".tmp")
         with writing(tmp):
-            save_file(self._pack(samples), str(tmp), metadata={"sample_ids": dumps([s.sample_id for s in samples])})
+            save_safetensors(self._pack(samples), tmp, metadata={"sample_ids": dumps([s.sample_id for s in samples])})
         os.replace(tmp, path)
         lengths = [len(s) for s in samples]
         self.manifest.shards.append(

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from infra.files import save_safetensors
 from models import eagle3
 
 PRESET_DIR = Path(__file__).resolve().parents[1] / "conf" / "targets"
@@ -170,7 +171,6 @@ def materialise_embedded(preset: TargetPreset) -> Path:
 
 
 def _convert_gguf(preset: TargetPreset, out: Path) -> None:
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     package, gguf = preset.embedded.split(":")
@@ -189,7 +189,8 @@ def _convert_gguf(preset: TargetPreset, out: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         # Not model.save_pretrained: under torch.distributed it writes the weights on rank 0 only.
-        save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+        save_safetensors({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors",
+                         metadata={"format": "pt"})
         config.save_pretrained(tmp)
         if model.generation_config is not None:
             model.generation_config.save_pretrained(tmp)

@@ -12,7 +12,7 @@ joined in tap order, a compact teacher from the prep's target head), writes it w
 deletes the file.
 
 Resume: samples already recorded in a split's partial manifests are not sent again; nothing is sent when every
-sample is recorded. SIGTERM/SIGUSR1 (data_prep/preemption.py) stop the capture at the next sample: the samples
+sample is recorded. SIGTERM/SIGUSR1 (infra/preemption.py) stop the capture at the next sample: the samples
 written go into a last shard, recorded, the requests still in flight are dropped with the servers, and Preempted
 (exit status 75) is raised; a rerun captures the rest. Fidelity: the prep's probe batch goes first, before any
 sample is written: the prep's target head on vLLM's teacher must give vLLM's own top-1 next token at every probe
@@ -32,10 +32,10 @@ import torch
 from safetensors.torch import load_file
 
 from data_prep.capture import compact_teacher
-from data_prep.preemption import Preempted, StopSignals
 from data_prep.rendered import Rendered, capture_order
 from data_prep.shards import Sample, ShardSpec, ShardWriter, completed_sample_ids
 from data_prep.vllm_client import VLLMClient
+from infra.preemption import Preempted, StopSignals
 from models.target_head import TargetHead
 
 PROBE = "probe:"

@@ -7,7 +7,7 @@ the requests regeneration (regen.backend=vllm) and capture (capture.engine=vllm)
         for key, path, choice in client.capture([(key, ids), ...]): ...   # in order; each file deleted after
 
 Where the servers come from:
-- started by prep (vllm.urls empty): one `vllm serve` per prep rank (data_prep/vllm_server.py: guarded, dies with
+- started by prep (vllm.urls empty): one `vllm serve` per prep rank (infra/vllm_server.py: guarded, dies with
   prep), on the rank's own block of vllm.tensor_parallel_size x pipeline_parallel_size devices of its node
   (local rank l takes devices l*g .. l*g+g-1 of CUDA_VISIBLE_DEVICES, or of the node), on 127.0.0.1 and a free
   port, with the extraction when the prep captures through it (`serve_args`). Start one prep rank per server
@@ -36,9 +36,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data_prep.config import ConfigError, VLLMConfig
-from data_prep.strict_json import dumps
-from data_prep.vllm_server import (
+from data_prep.config import VLLMConfig
+from infra.config_keys import ConfigError
+from infra.strict_json import dumps
+from infra.vllm_server import (
     API_KEY_ENV,
     VLLMServer,
     VLLMServerError,

@@ -15,7 +15,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from infra.files import save_safetensors
 
 VOCAB_FILE = "draft_vocab.safetensors"
 
@@ -74,7 +76,7 @@ def save_draft_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, cou
         tensors["dataset_counts"] = dataset_counts
     if scores is not None:
         tensors["selection_scores"] = scores
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    save_safetensors({k: v.contiguous() for k, v in tensors.items()}, path)
 
 
 def load_draft_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:

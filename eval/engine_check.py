@@ -8,7 +8,7 @@ starts `python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 with the targ
 evaluation prompts greedily (token ids rendered with the target's chat template, as our evaluator does),
 reads the `vllm:spec_decode_*` counters from /metrics, and prints vLLM's mean acceptance length and
 per-position acceptance. Compare with `launch/eval.py decode.mode=chain decode.depth=K` on the same prompts.
-The server is started, checked and stopped by data_prep/vllm_server.py (`vllm_server`), as prep's are.
+The server is started, checked and stopped by infra/vllm_server.py (`vllm_server`), as prep's are.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import tempfile
 from pathlib import Path
 
 from data_prep.chat import render_prompt
-from data_prep.strict_json import dumps
 from data_prep.targets import load_tokenizer, model_path, resolve_target
-from data_prep.vllm_server import VLLMServerError, http_get, http_post_json, vllm_server
 from eval.prompts import load_prompts
+from infra.strict_json import dumps
+from infra.vllm_server import VLLMServerError, http_get, http_post_json, vllm_server
 
 
 def spec_counters(metrics_text: str) -> dict:

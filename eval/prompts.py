@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from data_prep.strict_json import dumps
+from infra.strict_json import dumps
 
 MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 PRESETS = ("mtbench",)

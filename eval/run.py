@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-from data_prep.strict_json import dumps
 from eval import metrics
 from eval.budget import AdaptiveBudget, VerifyCost, choose_total_tokens
 from eval.config import EvalConfig
@@ -21,6 +20,7 @@ from eval.prompts import load_prompts, render
 from eval.sampling import SamplingParams
 from eval.spec_decode import GenerationRecord, SpecSettings, SpeculativeDecoder, plain_generate
 from eval.target import TargetRunner
+from infra.strict_json import dumps
 from models.export import CONFIG_FILE
 from models.registry import DrafterFamily, family, family_of_drafter
 

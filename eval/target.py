@@ -16,7 +16,7 @@ FINAL_FEATURE = -1
 def target_fingerprint(config: dict, tokenizer, name: str) -> dict:
     """What an export records of its target (models.export.target_fingerprint), read from a target's HF config
     (a dict) and tokenizer, as prep records it (data_prep.pipeline: the LM head has vocab_size rows)."""
-    from data_prep.pipeline import tokenizer_hash
+    from data_prep.chat import tokenizer_hash
     from models.export import target_fingerprint as fingerprint
 
     text = config.get("text_config", config) if "num_hidden_layers" not in config else config

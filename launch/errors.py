@@ -30,17 +30,17 @@ USER_ERROR = 2  # the exit status of a known user error (argparse uses 2 for usa
 # "module:Class"; looked up in sys.modules only: an exception of a class whose module was never imported cannot
 # have been raised, so checking costs no import (and launch/ stays free of the packages' import order).
 USER_ERRORS = (
-    "data_prep.config:ConfigError",  # train.config raises the same class
+    "infra.config_keys:ConfigError",  # prep, training and the plan raise it
     "data_prep.targets:TargetUnavailable",
     "data_prep.targets:UnknownTarget",
     "data_prep.targets:PresetMismatch",  # a preset's geometry is not its config.json's
     "data_prep.shards:ShardError",
-    "data_prep.dirlock:DirLocked",  # another process holds the run or prep directory
+    "infra.dirlock:DirLocked",  # another process holds the run or prep directory
     "data_prep.fidelity:FidelityError",
     "data_prep.regenerate:RegenerationError",  # the regeneration server cannot be used at all (URL, error)
-    "data_prep.vllm_server:VLLMUnavailable",  # vllm.python missing, without vLLM, or too old
+    "infra.vllm_server:VLLMUnavailable",  # vllm.python missing, without vLLM, or too old
     # a vLLM server that exited, refused its settings or did not answer in time: its URL, log and vLLM's reason
-    "data_prep.vllm_server:VLLMServerError",
+    "infra.vllm_server:VLLMServerError",
     "data_prep.vllm_capture:VLLMCaptureError",  # a server's file is not its sample's (e.g. other layers extracted)
     "train.online:TargetMismatch",
     "train.plan:PlanError",
@@ -143,7 +143,7 @@ def hydra_main(config_path: str, config_name: str, renamed: dict[str, str] | Non
         @functools.wraps(hydra_task)
         def inner(*args: Any, **kwargs: Any) -> Any:
             if renamed or replaced:
-                from data_prep.config import refuse_renamed
+                from infra.config_keys import refuse_renamed
 
                 refuse_renamed(sys.argv[1:], renamed or {}, replaced)
             return hydra_task(*args, **kwargs)

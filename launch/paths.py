@@ -7,15 +7,11 @@ on sys.path, and this changes nothing). ruff's isort keeps this import first (py
 CONF_DIR is absolute because Hydra resolves a relative config_path against the calling package when a
 console script runs the launcher, and conf/ is no package.
 
-A worker started by torchrun (TORCHELASTIC_RUN_ID set) asks the kernel for SIGKILL when its parent, the launcher,
-dies: torchrun starts each worker in a session of its own, so a kill -9 of the launcher would otherwise leave the
-workers training (writing checkpoints a resume started afterwards races). Only under torchrun: a plain
-`python launch/...` started in the background still outlives its shell.
+A worker started by torchrun dies with the launcher (infra/preemption.py die_with_launcher).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -25,19 +21,6 @@ CONF_DIR = LAUNCH_DIR.parent / "conf"
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != LAUNCH_DIR]
 
 
-def die_with_launcher() -> None:
-    """Under torchrun (Linux): SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG)."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
-        return  # best effort: a kernel that refuses it leaves the old behaviour
-    if os.getppid() != parent:  # the launcher died between the two calls
-        os.kill(os.getpid(), signal.SIGKILL)
-
+from infra.preemption import die_with_launcher  # noqa: E402 - after launch/ is off sys.path
 
 die_with_launcher()

@@ -14,7 +14,7 @@ the same schema; data.dir and out_dir are not needed.
 
 from launch.paths import CONF_DIR  # noqa: I001 (first: takes launch/ off sys.path)
 
-from data_prep.strict_json import dumps
+from infra.strict_json import dumps
 import sys
 from pathlib import Path
 
@@ -49,26 +49,42 @@ def run_config(overrides: list[str], drafter: str | None = None):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             raw = compose(config_name="train", overrides=[*group, *fill, *overrides])
     except (HydraException, OmegaConfBaseException) as e:
-        raise SystemExit(f"config error: {e}") from None
+        from infra.config_keys import ConfigError
+
+        raise ConfigError(f"config error: {e}") from None
     return RunConfig.from_omegaconf(raw)
 
 
+def positive(own: dict[str, str], key: str, cast: type):
+    """The plan key `key` as a number > 0 (None when not given); ConfigError naming the key otherwise."""
+    from infra.config_keys import ConfigError
+
+    if key not in own:
+        return None
+    try:
+        value = cast(own[key])
+    except ValueError:
+        raise ConfigError(f"{key}={own[key]!r} is not a number") from None
+    if not value > 0:
+        raise ConfigError(f"{key} must be > 0, got {own[key]}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
-    from data_prep.config import ConfigError
+    from infra.config_keys import ConfigError
     from train.plan import PlanError, plan_run
 
     own, overrides = parse(sys.argv[1:] if argv is None else argv)
     try:
-        world = int(own.get("world_size", 1))
+        world = positive(own, "world_size", int) or 1
+        context = positive(own, "context", int)
+        memory = positive(own, "device_memory_gb", float)
         cfg = run_config(overrides, own.get("drafter")).validate(world_size=world)
-        memory = float(own["device_memory_gb"]) if "device_memory_gb" in own else None
-        p = plan_run(cfg, own.get("model", "smollm2-135m-instruct"), world_size=world,
-                     context=int(own["context"]) if "context" in own else None, device_memory_gb=memory,
-                     device=own.get("device", "cuda"))
-    except (ConfigError, PlanError) as e:
-        raise SystemExit(f"plan error: {e}") from None
-    except ValueError as e:  # a number that is not one (context=abc)
-        raise SystemExit(f"plan error: {e}") from None
+        p = plan_run(cfg, own.get("model", "smollm2-135m-instruct"), world_size=world, context=context,
+                     device_memory_gb=memory, device=own.get("device", "cuda"))
+    except (ConfigError, PlanError, ValueError) as e:  # ValueError: a number that is not one
+        print(f"plan error: {e}", file=sys.stderr)
+        return 2  # the user-error status of every launcher (launch/errors.py)
     print(p.table())
     if "json" in own:
         path = Path(own["json"])

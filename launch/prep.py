@@ -4,15 +4,16 @@
     torchrun --nproc_per_node 8 launch/prep.py model=gpt-oss-120b data=<jsonl> regen.backend=openai ...
 
 See data_prep/pipeline.py for the output layout and data_prep/shards.py for the shard format. SIGTERM or SIGUSR1
-during the capture writes the batch in flight as a last shard and exits with status 75 (data_prep/preemption.py);
+during the capture writes the batch in flight as a last shard and exits with status 75 (infra/preemption.py);
 the same command resumes. Several nodes and SLURM: docs/cluster.md, launch/slurm/prep.sbatch.
 """
 
 from hydra.core.config_store import ConfigStore
 
 from launch.paths import CONF_DIR
-from data_prep.config import RENAMED_KEYS, REPLACED_KEYS, ConfigError, PrepConfig, prep_config
+from data_prep.config import RENAMED_KEYS, REPLACED_KEYS, PrepConfig, prep_config
 from data_prep.pipeline import run
+from infra.config_keys import ConfigError
 from launch.errors import hydra_main
 
 ConfigStore.instance().store(name="prep_schema", node=PrepConfig)

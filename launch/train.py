@@ -21,7 +21,7 @@
 Outputs under out_dir (a run) or out_dir/job<N> (a sweep job): config.yaml (resolved), train.log,
 metrics.jsonl, summary.json, checkpoints/, export/ (config.json + model.safetensors for vLLM/SGLang).
 Preemption: SIGTERM or SIGUSR1 to any worker (or SIGTERM to torchrun, which forwards it) checkpoints every rank
-at the next optimizer step and exits with status 75 (data_prep/preemption.py); train.resume=true continues.
+at the next optimizer step and exits with status 75 (infra/preemption.py); train.resume=true continues.
 Several nodes and SLURM: docs/cluster.md, launch/slurm/.
 Config schema: train/config.py; groups and presets: conf/. Multi-node needs out_dir and data.dir on a
 filesystem every node sees (rank 0 writes checkpoints; every rank reads them on resume).
@@ -33,7 +33,7 @@ import sys
 from hydra.core.hydra_config import HydraConfig
 
 from launch.paths import CONF_DIR
-from data_prep.preemption import Preempted
+from infra.preemption import Preempted
 from launch.errors import hydra_main
 from train.config import ConfigError, RunConfig, register_configs
 from train.engine import shutdown_distributed

@@ -15,8 +15,10 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor, nn
+
+from infra.files import save_safetensors
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -87,7 +89,7 @@ def write_export(
     for key in keys:
         t = state[key].detach()
         tensors[key] = (t.to(dtype) if t.is_floating_point() else t).contiguous().cpu()
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    save_safetensors(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
     config = {**config, "torch_dtype": str(dtype).removeprefix("torch.")}
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return out

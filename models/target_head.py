@@ -264,7 +264,7 @@ class TargetHead(nn.Module):
             del state[LM_HEAD_KEY]
             meta[TIED_KEY] = "true"
         t = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in state.items()}
-        Path(path).write_bytes(canonical_safetensors(save(t, metadata=meta)))
+        Path(path).write_bytes(canonical_safetensors(save(t, metadata=meta)))  # open(): the umask's mode
 
 
 def canonical_safetensors(data: bytes) -> bytes:

@@ -1,9 +1,10 @@
 """The package layering: what each of our packages may import of the others (every import, lazy ones too).
 
-    models     -> nothing of ours but models (no distributed, pipeline, config or logging code either)
-    data_prep  -> models
-    eval       -> models, data_prep
-    train      -> models, data_prep
+    infra      -> nothing of ours: the floor (strict JSON, directory locks, preemption, config keys, vLLM servers)
+    models     -> infra, models (no distributed, pipeline, config or logging code either)
+    data_prep  -> infra, models
+    eval       -> infra, models, data_prep
+    train      -> infra, models, data_prep
     launch     -> anything (the entry points)
 
 The family table (models/registry.py) names objectives and drafting strategies as "module:attribute"
@@ -22,8 +23,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = ("models", "data_prep", "train", "eval", "launch")
+OURS = ("infra", "models", "data_prep", "train", "eval", "launch")
 BANNED = {
+    "infra": ("models", "data_prep", "train", "eval", "launch", "bench"),
     "models": ("data_prep", "train", "eval", "launch", "torch.distributed", "deepspeed", "wandb", "hydra"),
     "data_prep": ("train", "eval", "launch"),
     "eval": ("train", "launch"),

@@ -1,4 +1,4 @@
-"""Hostile but realistic inputs (issue 17): each stops early with a message naming the file, the line and the
+"""Hostile but realistic inputs: each stops early with a message naming the file, the line and the
 reason, or is skipped and counted under its own reason; nothing is published before it is complete.
 
 Every case writes its own small files; none loads a real model (the tiny random target at most).

@@ -79,7 +79,7 @@ def test_reports_are_strict_json() -> None:
     """NaN (a depth never reached) and inf become null at any depth, keys str, tuples lists."""
     import json
 
-    from data_prep.strict_json import json_safe
+    from infra.strict_json import json_safe
 
     report = {"alpha_n": [0.5, math.nan], 3: {"tau": math.inf, "pair": (1.0, -math.inf)}, "n": 2}
     safe = json_safe(report)

@@ -137,3 +137,18 @@ def test_bad_settings_fail_clearly(embedded) -> None:
     with pytest.raises(PlanError, match="device='tpu'"):
         settings_from_run(run_config(), 1, 2048, "tpu")
     assert MiB == 2**20
+
+
+@pytest.mark.parametrize(("arg", "message"), [
+    ("world_size=0", "world_size must be > 0, got 0"),
+    ("device_memory_gb=0", "device_memory_gb must be > 0, got 0"),
+    ("device_memory_gb=-5", "device_memory_gb must be > 0, got -5"),
+    ("context=0", "context must be > 0, got 0"),  # not the default's 2048 in disguise
+    ("context=-1", "context must be > 0, got -1"),
+    ("world_size=two", "world_size='two' is not a number"),
+])
+def test_cli_refuses_non_positive_sizes_naming_the_key(arg: str, message: str, capsys) -> None:
+    from launch.plan import main as plan_main
+
+    assert plan_main([arg]) == 2  # the user-error status, one message, no traceback
+    assert capsys.readouterr().err.strip() == f"plan error: {message}"

@@ -1,5 +1,5 @@
 """Preemption: SIGTERM / SIGUSR1 stop training and prep cleanly, with exit status 75, and the resumed run loses and
-repeats nothing (data_prep/preemption.py).
+repeats nothing (infra/preemption.py).
 
 Training, 2 processes under torchrun on a tiny synthetic prep, checkpoints far apart (save_interval beyond the run):
   ref  uninterrupted, 16 steps
@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 from synthetic_prep import write_synthetic_prep
 
-from data_prep.preemption import PREEMPTED
+from infra.preemption import PREEMPTED
 
 pytestmark = pytest.mark.integration
 

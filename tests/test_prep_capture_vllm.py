@@ -27,7 +27,7 @@ from data_prep.config import PrepConfig
 from data_prep.shards import ShardSet, completed_sample_ids
 from data_prep.vllm_capture import VLLMCaptureError, aux_layer_ids
 from data_prep.vllm_plugin import MIN_VLLM
-from data_prep.vllm_server import VLLMUnavailable, check_vllm, resolve_python
+from infra.vllm_server import VLLMUnavailable, check_vllm, resolve_python
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = os.environ.get("DRAFTERS_VLLM_PYTHON", "")
@@ -79,7 +79,8 @@ def test_config_refuses_engine_kwargs_the_capture_sets_and_bad_sizes() -> None:
 def test_config_keys_are_typed_through_hydra() -> None:
     from omegaconf import OmegaConf
 
-    from data_prep.config import ConfigError, check_keys, prep_config
+    from data_prep.config import prep_config
+    from infra.config_keys import ConfigError, check_keys
 
     raw = OmegaConf.merge(OmegaConf.structured(PrepConfig), OmegaConf.from_dotlist(
         ["out=x", "capture.engine=vllm", "vllm.tensor_parallel_size=8", "vllm.engine_kwargs={enforce_eager: true}",
@@ -91,7 +92,8 @@ def test_config_keys_are_typed_through_hydra() -> None:
     with pytest.raises(ConfigError, match="vllm.tensor_parallel"):
         check_keys({"vllm": {"tensor_parallel": 2}}, PrepConfig)
     # the engine's keys moved out of capture.vllm (one engine regenerates and captures): the old names point on
-    from data_prep.config import RENAMED_KEYS, refuse_renamed
+    from data_prep.config import RENAMED_KEYS
+    from infra.config_keys import refuse_renamed
 
     with pytest.raises(ConfigError, match="'capture.vllm.python' is now 'vllm.python'"):
         check_keys({"capture": {"vllm": {"python": "/x"}}}, PrepConfig, renamed=RENAMED_KEYS)
@@ -478,7 +480,7 @@ def test_prep_on_the_users_servers(tmp_path: Path, tiny_target_dir: Path, tiny_s
     $OPENAI_API_KEY) regenerates and captures; prep starts none and gives the HF route's replies and shards."""
     from data_prep.vllm_capture import engine_layer_ids
     from data_prep.vllm_client import ServerSpec, serve_args
-    from data_prep.vllm_server import VLLMServer
+    from infra.vllm_server import VLLMServer
 
     common = {"num_samples": 6, "eval_samples": 2, "regen.max_new_tokens": 12, "regen.batch_size": 1,
               "capture.tap_layers": [1, 3, 7], "draft_vocab_count": "train"}
@@ -507,3 +509,68 @@ def test_an_unusable_vllm_python_is_one_message_and_exit_2(tmp_path: Path, tiny_
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2 and "Traceback" not in err, err[-3000:]
     assert "vllm.python='venv/bin/python' is not an executable file" in err
+
+
+def _vllm_processes(python: str) -> list[int]:
+    """Processes of the vLLM install at `python` (the API server, its engine core and workers, by command line
+    or by vLLM's own process titles)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().split()[2]
+        except OSError:
+            continue
+        if state not in ("Z", "X") and (python in cmdline or cmdline.startswith("VLLM::")):
+            found.append(int(proc.name))
+    return found
+
+
+@needs_vllm
+def test_real_vllm_kill_9_leaves_no_vllm_process_and_sigterm_resumes_equal(tmp_path: Path) -> None:
+    """The real server under prep: kill -9 of prep mid-capture leaves no vLLM process (API server, engine core,
+    worker); SIGTERM mid-capture exits 75 with what it wrote recorded, and the resume completes the shards, every
+    sample once, equal to the HF capture of the same samples (fp32 both)."""
+    import signal
+    import time
+
+    assert not _vllm_processes(VLLM_PYTHON), "another vLLM is running: this test counts its processes"
+    common = {"num_samples": 12, "eval_samples": 2, "max_len": 384, "dtype": "float32", "draft_vocab_count": "train",
+              "regen.enabled": False}
+    run_prep(tmp_path / "hf", "smollm2-135m-instruct", "sharegpt-embedded", **common)
+    vllm_cfg = {**common, "capture.engine": "vllm", "vllm.python": VLLM_PYTHON, "capture.tokens_per_shard": 1,
+                "vllm.max_in_flight": 2, "vllm.engine_kwargs": "{enforce_eager:true}",
+                "vllm.scratch_dir": str(tmp_path / "scratch")}
+    out = tmp_path / "vllm"
+
+    def start_and_wait_for_a_shard() -> subprocess.Popen:
+        proc = _prep_process(out, "smollm2-135m-instruct", "sharegpt-embedded", {}, **vllm_cfg)
+        deadline = time.time() + 600
+        before = len(completed_sample_ids(out / "train")) if (out / "train").exists() else 0
+        while (len(completed_sample_ids(out / "train")) if (out / "train").exists() else 0) <= before:
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.5)
+        return proc
+
+    proc = start_and_wait_for_a_shard()
+    assert _vllm_processes(VLLM_PYTHON)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    deadline = time.time() + 60
+    while _vllm_processes(VLLM_PYTHON) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not _vllm_processes(VLLM_PYTHON), "vLLM processes outlived kill -9 of prep"
+
+    proc = start_and_wait_for_a_shard()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-3000:]
+    assert not _vllm_processes(VLLM_PYTHON)
+    summary = run_prep(out, "smollm2-135m-instruct", "sharegpt-embedded", **{**vllm_cfg, "vllm.engine_kwargs":
+                                                                             {"enforce_eager": True}})
+    hf = json.loads((tmp_path / "hf" / "summary.json").read_text())
+    assert summary["samples"] == hf["samples"] and summary["tokens"] == hf["tokens"]
+    _assert_same_shards(out, tmp_path / "hf", "hidden")
+    assert not list((tmp_path / "scratch").iterdir())

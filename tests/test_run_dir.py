@@ -3,7 +3,7 @@
 - a fresh run refuses an out_dir holding another run's files (train.overwrite=true clears them first);
 - `latest` resolves to exactly the complete step_* dir it names; rotation keeps what was just written;
 - a resume with other sample-order or schedule settings is refused, naming the key, old and new value;
-- one writer per run dir and per prep dir (data_prep/dirlock.py), refused naming the holder's host and pid, and
+- one writer per run dir and per prep dir (infra/dirlock.py), refused naming the holder's host and pid, and
   free again when the holder dies; torchrun's workers die with their launcher (launch/paths.py);
 - `make export`'s own argument form exports the run's latest checkpoint, without its optimizer state.
 
@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from synthetic_prep import write_synthetic_prep
 
-from data_prep.dirlock import LOCK_FILE, DirLock, DirLocked
+from infra.dirlock import LOCK_FILE, DirLock, DirLocked
 from train import checkpoint
 from train.config import ConfigError, RunConfig
 from train.trainer import RESUME_KEYS, RunDirError, check_resume, prepare_run_dir
@@ -207,6 +207,8 @@ def _run_config(run: Path, *overrides: str) -> RunConfig:
     ("data.max_len=128", "data.max_len: 64 -> 128"),
     ("train.grad_accum=2", "train.grad_accum: 1 -> 2"),
     ("data.train_samples=4", "data.train_samples: None -> 4"),
+    ("train.ttt_steps=5", "train.ttt_steps: 3 -> 5"),  # K changes the objective
+    ("train.loss_decay=0.5", "train.loss_decay: 0.8 -> 0.5"),
 ])
 def test_a_sample_order_or_schedule_setting_may_not_change(finished, override: str, named: str) -> None:
     _, run = finished
@@ -216,6 +218,29 @@ def test_a_sample_order_or_schedule_setting_may_not_change(finished, override: s
     check_resume(_run_config(run), state, latest)  # the run's own settings resume
     with pytest.raises(RunDirError, match=re.escape(named)):
         check_resume(_run_config(run, override), state, latest)
+
+
+@pytest.mark.integration
+def test_extending_a_finished_run_is_a_deliberate_option_and_recorded(finished, tmp_path: Path) -> None:
+    prep, run = finished
+    latest = checkpoint.resolve(run)
+    state = json.loads((latest / "state.json").read_text())
+    with pytest.raises(RunDirError, match="train.max_steps: 2 -> 4.*pass train.extend=true"):
+        check_resume(_run_config(run, "train.max_steps=4"), state, latest)
+    with pytest.raises(RunDirError, match="train.extend=true resumes .* on a longer schedule"):
+        check_resume(_run_config(run, "train.extend=true", "train.resume=true", "train.max_steps=1"), state, latest)
+    with pytest.raises(RunDirError, match="train.lr: 0.001 -> 0.002"):  # extend lengthens the schedule, nothing else
+        check_resume(_run_config(run, "train.extend=true", "train.max_steps=4", "train.lr=0.002"), state, latest)
+    got = check_resume(_run_config(run, "train.extend=true", "train.max_steps=4"), state, latest)
+    assert got == [{"at_step": 2, "from": {"train.max_steps": 2}, "to": {"train.max_steps": 4}}]
+    # end to end: the run goes on to step 4, and its summary and last checkpoint record the extension
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    r = _train(copy, prep, "train.resume=true", "train.extend=true", "train.max_steps=4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((copy / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["extensions"] == got
+    assert json.loads((checkpoint.resolve(copy) / "state.json").read_text())["extensions"] == got
 
 
 @pytest.mark.integration
@@ -237,7 +262,7 @@ def test_intervals_and_world_size_may_change(finished) -> None:
 HOLD = """
 import sys, time
 from pathlib import Path
-from data_prep.dirlock import DirLock
+from infra.dirlock import DirLock
 DirLock(Path(sys.argv[1]), "test").acquire()
 print("locked", flush=True)
 time.sleep(600)

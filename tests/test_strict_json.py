@@ -1,4 +1,4 @@
-"""Strict JSON everywhere (data_prep/strict_json.py): a NaN or an infinity reaches every writer family (a metrics
+"""Strict JSON everywhere (infra/strict_json.py): a NaN or an infinity reaches every writer family (a metrics
 line, a run's and a prep's summary.json, eval's report.json) as null, and no module writes JSON around the helper."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from data_prep.strict_json import dumps, json_safe, write_json
+from infra.strict_json import dumps, json_safe, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("data_prep", "train", "eval", "launch", "bench")
 # models/ may not import data_prep (tests/test_architecture.py) and writes finite geometry only (export config.json,
 # the target head's header). data_prep/vllm_plugin.py runs under vLLM's own Python, outside this package, and its
 # index lines are the private protocol with data_prep/vllm_capture.py (logprobs may be -inf there).
-EXEMPT = {"data_prep/strict_json.py", "data_prep/vllm_plugin.py"}
+EXEMPT = {"infra/strict_json.py", "data_prep/vllm_plugin.py"}
 NON_FINITE = {"sim_tau_alpha": float("nan"), "alpha_k": [0.5, float("nan")], "up": float("inf"),
               "down": -float("inf"), "fine": 1.5, 3: "int key"}
 
@@ -91,7 +91,7 @@ def test_no_module_writes_json_around_the_helper() -> None:
     assert len(files) > 60
     offenders = {str(f.relative_to(ROOT)): hits for f in files
                  if str(f.relative_to(ROOT)) not in EXEMPT and (hits := _direct_json_writes(f))}
-    assert not offenders, f"write JSON through data_prep.strict_json (dumps / write_json): {offenders}"
+    assert not offenders, f"write JSON through infra.strict_json (dumps / write_json): {offenders}"
 
 
 def test_the_check_finds_a_direct_write(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Every common target family end to end (issue 13): a tiny random model of each, built from transformers' own
+"""Every common target family end to end: a tiny random model of each, built from transformers' own
 config class with SmolLM2's tokenizer (no hub), is prepared (its fidelity check passing), trained for 2 steps,
 exported, and decoded speculatively token for token as plain greedy decoding. The fidelity check is also run in
 bf16 and shown to catch mutants: a wrong final norm, a dropped soft-cap, a dropped embedding scale, a shifted tap.

@@ -1,4 +1,4 @@
-"""Prep's vLLM servers (data_prep/vllm_server.py, data_prep/vllm_client.py): what each rank's server gets (devices,
+"""Prep's vLLM servers (infra/vllm_server.py, data_prep/vllm_client.py): what each rank's server gets (devices,
 environment, port, flags) on one node and on two, how ranks split the user's servers, the guard that takes the
 server's whole process group down with its parent, and bounded waits. The stand-in server (tests/vllm_standin.py)
 speaks vLLM's HTTP; prep's behaviour end to end against it is in tests/test_prep_capture_vllm.py."""
@@ -18,7 +18,7 @@ import pytest
 
 from data_prep.config import PrepConfig, VLLMConfig
 from data_prep.vllm_client import ServerSpec, VLLMClient, rank_urls, serve_args
-from data_prep.vllm_server import (
+from infra.vllm_server import (
     TORCHRUN_VARS,
     VLLMServerError,
     VLLMUnavailable,
@@ -96,7 +96,7 @@ def test_serve_args_extract_the_taps_and_take_the_users_engine_arguments() -> No
 
 
 def test_scratch_must_hold_one_sample() -> None:
-    from data_prep.config import ConfigError
+    from infra.config_keys import ConfigError
 
     spec = ServerSpec(model="/m", dtype="bfloat16", max_model_len=40_001, hidden_size=2880, layer_ids=[2, 18, 33, 36])
     with pytest.raises(ConfigError, match=r"vllm.scratch_gb=0.5 holds less than one sample of max_len \(40000 tokens"):
@@ -177,7 +177,7 @@ def test_the_guard_stops_the_servers_whole_process_group_when_its_parent_goes(tm
     parent = subprocess.Popen([sys.executable, "-c", (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from data_prep.vllm_server import VLLMServer\n"
+        "from infra.vllm_server import VLLMServer\n"
         f"s = VLLMServer(sys.executable, [], log_path=Path({str(log)!r}))\n"
         f"s.args = []\n"
         f"s.__class__.command = property(lambda self: [sys.executable, {str(script)!r}])\n"

@@ -30,11 +30,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
 
 from data_prep.shards import writing
-from data_prep.strict_json import dumps
+from infra.files import save_safetensors
+from infra.strict_json import dumps
 
 LATEST = "latest"
 STEP_DIR = re.compile(r"step_(\d+)")  # step_dir_name's form
@@ -103,13 +104,13 @@ def save(
     with writing(tmp):  # a full disk's error names no file
         model = {f"param/{k}": v.contiguous() for k, v in engine_state["params"].items()}
         model.update({f"buffer/{k}": v.contiguous() for k, v in buffers.items()})
-        save_file(model, str(tmp / CHECKPOINT_WEIGHTS))
+        save_safetensors(model, tmp / CHECKPOINT_WEIGHTS)
         moments = {
             f"{key}/{k}": v.contiguous()
             for key in ("exp_avg", "exp_avg_sq")
             for k, v in engine_state[key].items()
         }
-        save_file(moments, str(tmp / "optimizer.safetensors"))
+        save_safetensors(moments, tmp / "optimizer.safetensors")
         state = {
             "step": step,
             "adam_step": engine_state["adam_step"],

@@ -16,7 +16,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from data_prep.config import ConfigError, check_keys
+from infra.config_keys import ConfigError, check_keys
 from models.dflash import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS
 
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -176,6 +176,9 @@ class TrainConfig:
     save_interval: int = 1000  # optimizer steps between checkpoints; 0 = only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept (the final one is always kept)
     resume: bool = False  # continue from <out_dir>/checkpoints/latest if it exists
+    # With resume: continue the run past its end on purpose, with a larger max_steps or epochs (the lr schedule is
+    # recomputed for the new length from the step resumed; recorded as "extensions" in checkpoints and summary).
+    extend: bool = False
     # A run dir belongs to one run: a fresh run (resume=false) refuses an out_dir holding another run's files
     # (checkpoints, metrics, summary, export); overwrite=true removes them first (train/trainer.py RUN_OUTPUTS).
     overwrite: bool = False
@@ -261,6 +264,8 @@ class RunConfig:
                               "would never learn)")
         if not 0.0 < t.decay_ratio <= 1.0:
             raise ConfigError(f"train.decay_ratio must be in (0, 1], got {t.decay_ratio}")
+        if t.extend and not t.resume:
+            raise ConfigError("train.extend=true continues a run past its end: it needs train.resume=true")
         if t.resume and t.overwrite:
             raise ConfigError("train.resume=true and train.overwrite=true: continue the run in out_dir, or clear it "
                               "and start a new one, not both")

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from data_prep.preemption import ignore_stop_signals
 from data_prep.shards import MANIFEST, ShardError, ShardSet, finished_prep
+from infra.preemption import ignore_stop_signals
 from train.batch import PAD_ID, Batch, collate
 from train.config import DataConfig
 

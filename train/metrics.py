@@ -19,7 +19,7 @@ import torch
 
 from data_prep.conversations import json_error
 from data_prep.shards import writing
-from data_prep.strict_json import dumps
+from infra.strict_json import dumps
 from train.config import LoggerConfig
 
 log = logging.getLogger("train")

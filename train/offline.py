@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from data_prep.strict_json import dumps
+from infra.strict_json import dumps
 from train.batch import Batch, collate
 from train.objective import Objective
 

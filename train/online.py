@@ -89,8 +89,7 @@ class FrozenTarget:
 def check_target_config(config: dict, tokenizer, spec: ShardSpec, where: str) -> None:
     """TargetMismatch naming what differs between the target's config/tokenizer and the prep's `spec` (its
     rendered/spec.json: what its shards' manifest records), before any weight loads."""
-    from data_prep.chat import template_hash
-    from data_prep.pipeline import tokenizer_hash
+    from data_prep.chat import template_hash, tokenizer_hash
     from models.config import check_target
 
     text = config.get("text_config", config)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-from data_prep.strict_json import dumps
+from infra.strict_json import dumps
 from train.metrics import METRICS_FILE, RUN_SUMMARY
 
 

@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from data_prep.config import ConfigError
-from data_prep.dirlock import LOCK_FILE, DirLock, claim
-from data_prep.preemption import Preempted, StopSignals, signal_name
-from data_prep.strict_json import dumps
+from infra.config_keys import ConfigError
+from infra.dirlock import LOCK_FILE, DirLock, claim
+from infra.preemption import Preempted, StopSignals, signal_name
+from infra.strict_json import dumps
 from train import checkpoint
 from train.build import load_head
 from train.config import RunConfig
@@ -51,18 +51,22 @@ log = logging.getLogger("train")
 # bench/compare_drafters.py's eval_<mode>_t<T>/), stale once the run is cleared.
 RUN_OUTPUTS = ("config.yaml", METRICS_FILE, RUN_SUMMARY, "checkpoints", "export", "captured", "wandb", "eval")
 
-# What decides the sample order (train/data.py: which samples, how they are cut and batched, the seed) or the
-# schedule (its length and shape: train/engine.py), recorded in every checkpoint's state.json ("settings"). A resume
-# that changes one of them would train some samples twice, skip others and bend the lr curve, so it is refused,
-# naming the key. Everything else may change on a resume: the world size and ZeRO stage (checkpoints are
+# What decides the sample order (train/data.py: which samples, how they are cut and batched, the seed), the
+# schedule (its length and shape: train/engine.py) or the objective (K, the TTT unroll, and its loss decay),
+# recorded in every checkpoint's state.json ("settings"). A resume that changes one of them would train some samples
+# twice, skip others, bend the lr curve or train another objective, so it is refused, naming the key; a longer
+# schedule is allowed on purpose only (train.extend=true: EXTENDABLE). Everything else may change on a resume: the world size and ZeRO stage (checkpoints are
 # portable), the eval, logging and save intervals, keep_checkpoints, stop_after_steps, export, the held-out eval's
 # settings, data.num_workers, data.verify and the logger.
 RESUME_KEYS = (
     "model.method", "data.dir", "data.source", "data.train_samples", "data.batch_size", "data.max_len",
     "data.overflow", "data.split_overlap", "data.bucket", "data.bucket_pool", "train.seed", "train.epochs",
     "train.max_steps", "train.grad_accum", "train.lr", "train.min_lr_ratio", "train.warmup_steps",
-    "train.warmup_ratio", "train.schedule", "train.decay_ratio",
+    "train.warmup_ratio", "train.schedule", "train.decay_ratio", "train.ttt_steps", "train.loss_decay",
 )
+# What train.extend=true may raise on a resume: the run goes on past its end, on a schedule recomputed for the new
+# length from the step it resumes at (recorded in the checkpoints' and the summary's "extensions").
+EXTENDABLE = ("train.max_steps", "train.epochs")
 
 
 class RunDirError(ConfigError):
@@ -80,20 +84,48 @@ def resume_settings(cfg: RunConfig) -> dict:
     return out
 
 
-def check_resume(cfg: RunConfig, state: dict, where: Path) -> None:
-    """Refuse resuming the checkpoint at `where` (its state.json: `state`) with other sample-order or schedule
-    settings (RESUME_KEYS), naming each changed key with its old and new value."""
+def _longer(old, new) -> bool:
+    """Whether a schedule length `new` is longer than `old` (max_steps None: no limit)."""
+    if new is None:
+        return old is not None
+    return old is not None and new > old
+
+
+def check_resume(cfg: RunConfig, state: dict, where: Path) -> list[dict]:
+    """Refuse resuming the checkpoint at `where` (its state.json: `state`) with other sample-order, schedule or
+    objective settings (RESUME_KEYS), naming each changed key with its old and new value; with train.extend=true, a
+    longer schedule (EXTENDABLE) is taken. Returns the run's extensions: the checkpoint's, and this one's
+    ({"at_step", "from", "to"})."""
+    extensions = list(state.get("extensions", []))
     saved = state.get("settings")
     if saved is None:
         log.warning("%s records no settings (an older checkpoint): the resume's settings are not compared", where)
-        return
+        return extensions
     now = resume_settings(cfg)
-    changed = [f"{k}: {saved[k]!r} -> {now[k]!r}" for k in RESUME_KEYS if k in saved and saved[k] != now[k]]
+    changed = {k: (saved[k], now[k]) for k in RESUME_KEYS if k in saved and saved[k] != now[k]}
+    if cfg.train.extend:
+        longer = {k: v for k, v in changed.items() if k in EXTENDABLE and _longer(*v)}
+        if not longer:
+            raise RunDirError(f"train.extend=true resumes {where} on a longer schedule: raise train.max_steps or "
+                              f"train.epochs past the checkpoint's ({', '.join(f'{k}={saved.get(k)!r}' for k in EXTENDABLE)})")
+        for k in longer:
+            del changed[k]
+        if not changed:
+            extensions.append({"at_step": state.get("step"), "from": {k: v[0] for k, v in longer.items()},
+                               "to": {k: v[1] for k, v in longer.items()}})
+            log.warning("train.extend=true: the run goes on from step %s with %s; the lr schedule is recomputed for "
+                        "the new length", state.get("step"), ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in
+                                                                        longer.items()))
+            return extensions
     if changed:
+        hint = (" To continue a finished run past its end on purpose, pass train.extend=true with the longer "
+                "train.max_steps or train.epochs." if set(changed) <= set(EXTENDABLE) else "")
         raise RunDirError(f"train.resume=true from {where} with other settings than the run was started with "
-                          f"({'; '.join(changed)}): they decide the sample order or the schedule, so the resumed "
-                          "run would not continue it. Resume with the run's own values, or start a new run in "
-                          "another out_dir (or with train.overwrite=true)")
+                          f"({'; '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in changed.items())}): they decide the "
+                          "sample order, the schedule or the objective, so the resumed run would not continue it. "
+                          "Resume with the run's own values, or start a new run in another out_dir (or with "
+                          f"train.overwrite=true).{hint}")
+    return extensions
 
 
 def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
@@ -123,7 +155,7 @@ def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
 
 
 def claim_run_dir(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> DirLock | None:
-    """COLLECTIVE. Rank 0 locks `run_dir` (data_prep/dirlock.py: a second training into it is refused, naming the
+    """COLLECTIVE. Rank 0 locks `run_dir` (infra/dirlock.py: a second training into it is refused, naming the
     holder's host and pid) and prepares it (`prepare_run_dir`); every rank raises if either is refused."""
     return claim(run_dir, "training", rank, world,
                  check=lambda: prepare_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite))
@@ -208,7 +240,8 @@ def evaluate(
 
 
 def save_checkpoint(
-    engine: Engine, module, run_dir: Path, step: int, cursor: Cursor, cfg: RunConfig, total: int
+    engine: Engine, module, run_dir: Path, step: int, cursor: Cursor, cfg: RunConfig, total: int,
+    extensions: list[dict] = (),  # type: ignore[assignment]
 ) -> None:
     state = engine.portable_state()  # collective
     if engine.rank == 0:
@@ -221,6 +254,7 @@ def save_checkpoint(
             "method": cfg.model.method,
             "settings": resume_settings(cfg),  # compared by check_resume
             "total_steps": total,
+            "extensions": list(extensions),  # train.extend=true resumes (check_resume)
             "target": prep_target(cfg.data.dir),  # what its export records as the drafter's target
         }
         buffers = export_buffers(module, cfg.model.method)
@@ -282,7 +316,7 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
     cfg.validate(world)
     lock = claim_run_dir(cfg, Path(run_dir), rank, world)  # before anything is read or written
     try:
-        with StopSignals("training") as signals:  # SIGTERM/SIGUSR1: checkpoint and exit (data_prep/preemption.py)
+        with StopSignals("training") as signals:  # SIGTERM/SIGUSR1: checkpoint and exit (infra/preemption.py)
             return _train(cfg, Path(run_dir), rank, world, t0, signals)
     finally:
         if lock is not None:
@@ -294,8 +328,9 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, sign
     data_rank, data_world = sp.data_parallel(rank, world)
     t, prep = cfg.train, Path(cfg.data.dir)
     latest = checkpoint.latest(run_dir / "checkpoints") if t.resume else None
+    extensions: list[dict] = []
     if latest is not None:  # refused before the data and the target load
-        check_resume(cfg, json.loads((latest / "state.json").read_text()), latest)
+        extensions = check_resume(cfg, json.loads((latest / "state.json").read_text()), latest)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
@@ -316,7 +351,7 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, sign
         log.warning("the lr warmup (%d optimizer steps) is not shorter than the run (%d steps): the lr never reaches "
                     "train.lr; lower train.warmup_steps or set train.warmup_ratio", t.warmup(steps_total), steps_total)
     ckpt = checkpoint.load(latest) if latest is not None else None
-    if ckpt is not None and ckpt.state.get("total_steps", steps_total) != steps_total:
+    if ckpt is not None and not t.extend and ckpt.state.get("total_steps", steps_total) != steps_total:
         raise RunDirError(f"train.resume=true from {ckpt.path}: the run has {steps_total} optimizer steps now, "
                           f"{ckpt.state['total_steps']} when it was saved (the prep's sample count changed?)")
     if t.resume and ckpt is None:
@@ -370,7 +405,7 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, sign
                 engine.train()
                 last_eval = step
             if t.save_interval and step % t.save_interval == 0:
-                save_checkpoint(engine, module, run_dir, step, cursor, cfg, steps_total)
+                save_checkpoint(engine, module, run_dir, step, cursor, cfg, steps_total, extensions)
                 last_saved = step
             # A stop signal seen by any rank stops every rank here, after the same step (one int all-reduced)
             stop = signals.agreed(engine.device)
@@ -382,7 +417,7 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, sign
     preempted = stop if not finished else 0  # a signal after the last step changes nothing
     train_data.close()  # hybrid: its buffered samples into shards
     if last_saved != step:
-        save_checkpoint(engine, module, run_dir, step, cursor, cfg, steps_total)
+        save_checkpoint(engine, module, run_dir, step, cursor, cfg, steps_total, extensions)
     if finished and eval_data is not None and last_eval != step:
         eval_metrics = evaluate(engine, module, head, eval_data, objective, sp)
         logger.log("eval", step, eval_metrics)
@@ -393,6 +428,7 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, sign
         "preempted": signal_name(preempted),  # stopped by this signal at `steps`, resumable (exit status 75)
         "steps": step,
         "total_steps": steps_total,
+        "extensions": extensions,  # train.extend=true resumes: at which step, from which schedule length to which
         "epoch": cursor.epoch + cursor.batch / train_data.batches_per_epoch,
         "world_size": world,
         "sequence_parallel_size": sp.size,

@@ -15,7 +15,7 @@ What a started server gets:
   MASTER_ADDR, ...: vLLM would read them as its own distributed setup);
 - 127.0.0.1 and a free port, and a random API key of its own (in its environment, never on its command line, which
   `ps` shows), sent by our clients;
-- a guard: `python -m data_prep.vllm_server --guard -- <command>` is the process prep starts. It leads a process
+- a guard: `python -m infra.vllm_server --guard -- <command>` is the process prep starts. It leads a process
   group of its own, runs the server in it (the server with the kernel's parent-death signal tied to the guard), and
   reads its standard input, a pipe from prep: end-of-file means prep is gone, however it ended (an exception, a
   signal, kill -9), and the guard stops the whole group (SIGTERM, then SIGKILL after the grace period). vLLM's
@@ -46,7 +46,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from data_prep.strict_json import dumps
+from infra.strict_json import dumps
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Where an OpenAI-compatible client's key comes from (never the command line: `ps` shows it): the user's server's
@@ -215,7 +215,7 @@ class VLLMServer:
         with open(self.log_path, "w") as log:
             # stdin: the pipe whose end-of-file tells the guard that this process is gone
             self.guard = subprocess.Popen(
-                [sys.executable, "-m", "data_prep.vllm_server", "--guard", "--grace-s", str(self.grace_s),
+                [sys.executable, "-m", "infra.vllm_server", "--guard", "--grace-s", str(self.grace_s),
                  *(["--scratch", str(self.scratch)] if self.scratch else []), "--", *self.command], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
                 env=self.env, start_new_session=True)
         self.started = time.perf_counter()
@@ -348,7 +348,7 @@ def http_post_json(url: str, body: dict, timeout_s: float = 600.0) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# The guard (a process of its own: `python -m data_prep.vllm_server --guard -- <server command>`)
+# The guard (a process of its own: `python -m infra.vllm_server --guard -- <server command>`)
 
 
 GUARD_IGNORES = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)

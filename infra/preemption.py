@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 from types import FrameType
 
 PREEMPTED = 75  # EX_TEMPFAIL: the exit status of a run stopped by STOP_SIGNALS, resumable
@@ -97,3 +98,21 @@ def ignore_stop_signals(worker_id: int = 0) -> None:
 
 def signal_name(signum: int) -> str | None:
     return signal.Signals(signum).name if signum else None
+
+
+def die_with_launcher() -> None:
+    """Under torchrun (Linux): SIGKILL this process when its parent, the launcher, dies (prctl PR_SET_PDEATHSIG):
+    torchrun starts each worker in a session of its own, so a kill -9 of the launcher would otherwise leave the
+    workers training (writing checkpoints a resume started afterwards races). Only under torchrun: a plain
+    `python launch/...` started in the background still outlives its shell."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+        return  # best effort: a kernel that refuses it leaves the old behaviour
+    if os.getppid() != parent:  # the launcher died between the two calls
+        os.kill(os.getpid(), signal.SIGKILL)

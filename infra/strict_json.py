@@ -3,10 +3,8 @@
 `dumps` is json.dumps of `json_safe(obj)` with allow_nan=False, so no NaN or Infinity ever reaches a file: a
 non-finite float is written as null, meaning "not defined for this run" (docs/evaluation.md, Metrics).
 `write_json` writes such a file atomically (a temporary file in the same directory, renamed into place).
-Every json.dump(s) in data_prep/, train/, eval/, launch/ and bench/ goes through here
-(tests/test_strict_json.py); models/ may not import data_prep and writes finite geometry only.
-
-In data_prep, the data-file layer, because train and eval may import it (tests/test_architecture.py).
+Every json.dump(s) in infra/, data_prep/, train/, eval/, launch/ and bench/ goes through here
+(tests/test_strict_json.py); models/ writes finite geometry only.
 """
 
 from __future__ import annotations

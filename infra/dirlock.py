@@ -8,8 +8,20 @@ includes the holder dying (kill -9 too): a stale lock file never blocks. The fil
 let a third job lock a fresh inode while the second still holds the old one).
 
 Only rank 0 locks (an exclusive lock per directory would refuse a job's own other ranks); the other ranks wait for
-its outcome (a broadcast) and stop with it, so nothing is written by a refused job. flock works across the
-machines of a multi-node job where the shared filesystem supports it (NFSv4, Lustre and GPFS with flock enabled).
+its outcome (a broadcast) and stop with it, so nothing is written by a refused job.
+
+Across nodes the lock is only as good as the shared filesystem's flock (`node_local_locks` reads the mount from
+/proc/mounts and warns where it is known not to exclude across nodes):
+- NFS: the Linux client emulates flock with a POSIX lock held by the server, which does exclude other nodes, but
+  is dropped as soon as the holding process closes any descriptor of the lock file (nothing in the project opens
+  it twice; a tool that reads `.lock` from inside the holding process would silently free it).
+- Lustre: mounted with `flock`, coherent across nodes; with `localflock` it locks this node only, silently; with
+  `noflock` the lock fails and is skipped with a warning.
+- BeeGFS: node-local unless the client sets `tuneUseGlobalFileLocks`; FUSE filesystems (object-store mounts):
+  often no locks at all.
+- GPFS, CephFS, local disks: as documented by flock.
+Where the lock cannot exclude across nodes, do what it would have enforced by hand: one prep or training job per
+directory at a time (a SLURM job dependency, `--dependency=singleton` with one job name per directory).
 """
 
 from __future__ import annotations
@@ -26,6 +38,38 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 LOCK_FILE = ".lock"
+
+
+def mount_of(directory: Path, mounts: str | None = None) -> tuple[str, str, list[str]]:
+    """(mount point, filesystem type, mount options) of the mount holding `directory` (/proc/mounts: the longest
+    mount point that is a prefix of its real path); ("", "", []) where /proc/mounts cannot be read."""
+    if mounts is None:
+        try:
+            mounts = Path("/proc/mounts").read_text()
+        except OSError:
+            return "", "", []
+    path = str(Path(directory).resolve())
+    best = ("", "", [])
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best[0]):
+            best = (point, fields[2], fields[3].split(","))
+    return best
+
+
+def node_local_locks(fstype: str, options: list[str]) -> str | None:
+    """Why flock on such a mount does not exclude writers on other nodes (None: it does, as far as is known)."""
+    if fstype == "lustre" and "localflock" in options:
+        return "this Lustre mount uses localflock: its flock locks this node only"
+    if fstype == "beegfs":
+        return "BeeGFS flock is node-local unless the client sets tuneUseGlobalFileLocks"
+    if fstype.startswith("fuse"):
+        return f"a FUSE filesystem ({fstype}) may not lock across nodes, or at all"
+    return None
 
 
 class DirLocked(RuntimeError):
@@ -58,6 +102,12 @@ class DirLock:
             warnings.warn(f"{self.directory}: this filesystem does not support flock ({e.strerror}); a second "
                           f"{self.what} into this directory would not be refused", stacklevel=2)
             return self
+        point, fstype, options = mount_of(self.directory)
+        why = node_local_locks(fstype, options)
+        if why is not None:
+            warnings.warn(f"{self.directory} (on {point}, {fstype}): {why}, so a second {self.what} started on "
+                          "another node would not be refused: run one job per directory at a time (e.g. SLURM's "
+                          "--dependency=singleton)", stacklevel=2)
         os.ftruncate(fd, 0)
         os.write(fd, f"host={socket.gethostname()} pid={os.getpid()}\n".encode())
         os.fsync(fd)
