@@ -96,8 +96,6 @@ def _rate(records: list[GenerationRecord]) -> float:
 
 
 def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
-    from tqdm import tqdm
-
     from data_prep.targets import load_target, model_path, resolve_target
 
     cfg.validate()
@@ -116,6 +114,53 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     eos = stop_token_ids(model, tokenizer, template_kwargs)
     params = SamplingParams(d.temperature, d.top_p, d.top_k)
 
+    decoder, budget, (total_tokens, timings, choice) = build_decoder(d, runner, drafter, progress)
+
+    if cfg.warmup:  # first calls pay one-off allocation / kernel selection costs
+        ids = render(tokenizer, records_in[0].messages(0, []), template_kwargs)
+        decoder.generate(ids, min(8, d.max_new_tokens), params, eos, torch.Generator().manual_seed(0))
+        if cfg.baseline:
+            plain_generate(runner, ids, min(8, d.max_new_tokens), params, eos, torch.Generator().manual_seed(0))
+        if budget is not None:
+            budget.log.clear()  # its learned rates stay; the report covers the timed prompts only
+
+    spec_recs, base_recs, peer, samples = decode_prompts(cfg, records_in, decoder, runner, model, tokenizer,
+                                                         template_kwargs, params, eos, progress)
+    summary = metrics.summarize(spec_recs, decoder.depth)
+    # a drafter over the target's whole vocabulary (no draft vocabulary: models/registry.py) never misses a token
+    summary["oov_rate"] = metrics.oov_rate(spec_recs, drafter.t2d) if family_of_drafter(drafter).draft_vocab else 0.0
+    spec_rate = _rate(spec_recs)
+    base_rate = _rate(base_recs) if base_recs else float("nan")
+    report = {
+        "target": preset.name,
+        "target_path": model_path(preset),
+        "drafter": cfg.drafter,
+        "prompts": cfg.prompts,
+        "num_prompts": len(records_in),
+        "num_requests": len(spec_recs),
+        "stop_token_ids": list(eos),
+        "device": device,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "decode": {**asdict(d), "total_tokens": total_tokens, "total_tokens_timings_s": timings,
+                   "total_tokens_choice": choice.to_dict() if choice is not None else None},
+        # what the drafter really did: a DFlash drafter drafts its block (block_size) whatever decode.depth says
+        "drafting": decoder.strategy.describe(),
+        "tau_definition": "(accepted drafts + 1 bonus) per verify forward; prefill and budget cut excluded",
+        "oov_rate_definition": "share of emitted tokens outside the draft vocabulary (never proposable)",
+        **summary,
+        "tokens_per_s": {"speculative": spec_rate, "baseline": base_rate},
+        "speedup": spec_rate / base_rate if base_recs else None,
+    }
+    add_comparisons(report, cfg, budget, spec_recs, base_recs, peer, params, base_rate)
+    report["samples"] = samples
+    write_report(report, Path(cfg.out_dir), cfg.plots)
+    return report
+
+
+def build_decoder(d, runner, drafter, progress: bool):
+    """The speculative decoder of `decode.*`: its verify budget (the tree's total tokens, measured when
+    decode.auto_total_tokens) and adaptive budget -> (decoder, adaptive budget or None, (total tokens, the timings
+    behind the choice, the choice))."""
     total_tokens, timings, choice = d.total_tokens, None, None
     if d.mode == "tree" and d.auto_total_tokens:
         choice = choose_total_tokens(runner, list(d.total_tokens_candidates), d.auto_tolerance)
@@ -127,20 +172,21 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     if d.budget == "adaptive":
         most = total_tokens if d.mode == "tree" else d.depth
         budget = AdaptiveBudget(VerifyCost.measure(runner, most + 1))
-    decoder = SpeculativeDecoder(runner, drafter, settings, budget)
+    return SpeculativeDecoder(runner, drafter, settings, budget), budget, (total_tokens, timings, choice)
 
-    if cfg.warmup:  # first calls pay one-off allocation / kernel selection costs
-        ids = render(tokenizer, records_in[0].messages(0, []), template_kwargs)
-        decoder.generate(ids, min(8, d.max_new_tokens), params, eos, torch.Generator().manual_seed(0))
-        if cfg.baseline:
-            plain_generate(runner, ids, min(8, d.max_new_tokens), params, eos, torch.Generator().manual_seed(0))
-        if budget is not None:
-            budget.log.clear()  # its learned rates stay; the report covers the timed prompts only
 
+def decode_prompts(cfg: EvalConfig, records_in, decoder, runner, model, tokenizer, template_kwargs: dict, params,
+                   eos, progress: bool):
+    """Every turn of every prompt, speculatively (and plainly with cfg.baseline, by transformers' prompt lookup with
+    cfg.prompt_lookup), each later turn following the model's own answer (MT-bench's protocol) -> (speculative
+    records, plain records, prompt-lookup totals, per-turn samples)."""
+    from tqdm import tqdm
+
+    d = cfg.decode
     spec_recs: list[GenerationRecord] = []
     base_recs: list[GenerationRecord] = []
     peer = {"tokens": 0, "seconds": 0.0, "hf_tokens": 0, "hf_seconds": 0.0}
-    samples = []
+    samples: list[dict] = []
     bar = tqdm(records_in, desc=f"eval {d.mode}", unit="prompt", disable=not progress)
     for rec in bar:
         answers: list[str] = []  # the model's own, which each later turn follows
@@ -170,31 +216,12 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
             answers.append(text)  # the next turn follows the model's own answer (MT-bench's protocol)
         bar.set_postfix(tau=f"{metrics.tau_pooled(spec_recs):.2f}")
 
-    summary = metrics.summarize(spec_recs, decoder.depth)
-    # a drafter over the target's whole vocabulary (no draft vocabulary: models/registry.py) never misses a token
-    summary["oov_rate"] = metrics.oov_rate(spec_recs, drafter.t2d) if family_of_drafter(drafter).draft_vocab else 0.0
-    spec_rate = _rate(spec_recs)
-    base_rate = _rate(base_recs) if base_recs else float("nan")
-    report = {
-        "target": preset.name,
-        "target_path": model_path(preset),
-        "drafter": cfg.drafter,
-        "prompts": cfg.prompts,
-        "num_prompts": len(records_in),
-        "num_requests": len(spec_recs),
-        "stop_token_ids": list(eos),
-        "device": device,
-        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-        "decode": {**asdict(d), "total_tokens": total_tokens, "total_tokens_timings_s": timings,
-                   "total_tokens_choice": choice.to_dict() if choice is not None else None},
-        # what the drafter really did: a DFlash drafter drafts its block (block_size) whatever decode.depth says
-        "drafting": decoder.strategy.describe(),
-        "tau_definition": "(accepted drafts + 1 bonus) per verify forward; prefill and budget cut excluded",
-        "oov_rate_definition": "share of emitted tokens outside the draft vocabulary (never proposable)",
-        **summary,
-        "tokens_per_s": {"speculative": spec_rate, "baseline": base_rate},
-        "speedup": spec_rate / base_rate if base_recs else None,
-    }
+    return spec_recs, base_recs, peer, samples
+
+
+def add_comparisons(report: dict, cfg: EvalConfig, budget, spec_recs, base_recs, peer: dict, params,
+                    base_rate: float) -> None:
+    """The report's comparisons: the adaptive budget's forecast, outputs against plain decoding, prompt lookup."""
     if budget is not None:
         # The cost model's own forecast beside what happened (speedups: over its 1-token verify time, and measured).
         model = budget.summary()
@@ -219,9 +246,6 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
             "hf_generate_plain_tokens_per_s": hf_rate,
             "speedup_vs_hf_generate_plain": pl_rate / hf_rate,
         }
-    report["samples"] = samples
-    write_report(report, Path(cfg.out_dir), cfg.plots)
-    return report
 
 
 def write_report(report: dict, out_dir: Path, plots: bool = True) -> Path:

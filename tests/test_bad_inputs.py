@@ -330,9 +330,9 @@ def _write_checkpoint(root: Path) -> None:
 
 
 DISK_FULL = [
-    ("shard", "data_prep.shards.save_file", _safetensors_enospc, _write_shard, "shards/r000-000000.safetensors.tmp"),
+    ("shard", "safetensors.torch.save_file", _safetensors_enospc, _write_shard, "shards/r000-000000.safetensors.tmp"),
     ("partial_manifest", "pathlib.Path.write_text", _enospc, _write_shard, "manifest.r0.json.tmp"),
-    ("checkpoint", "train.checkpoint.save_file", _safetensors_enospc, _write_checkpoint, ".tmp-step_000001"),
+    ("checkpoint", "safetensors.torch.save_file", _safetensors_enospc, _write_checkpoint, ".tmp-step_000001"),
 ]
 
 

@@ -249,12 +249,24 @@ class RunConfig:
 
     def validate(self, world_size: int | None = None) -> RunConfig:
         """Raise ConfigError for values that would fail (or silently misbehave) later. Returns self."""
-        m, d, t, ds, lg = self.model, self.data, self.train, self.deepspeed, self.logger
+        self._validate_choices()
+        self._validate_levers()
+        self._validate_data()
+        self._validate_ranges()
+        self._validate_long_context()
+        if world_size is not None:
+            self._validate_world(world_size)
+        self._validate_dflash()
+        self._warn_ineffective()
+        return self
+
+    def _validate_choices(self) -> None:
+        """Names that must be one of a set, and settings that only make sense together."""
+        m, t = self.model, self.train
         from models.attention import ATTENTION  # the registry decides which backend names exist
-        from models.registry import METHODS, family
+        from models.registry import METHODS
 
         _one_of("model.method", m.method, METHODS)
-        fam = family(m.method)
         _one_of("model.attn_backend", m.attn_backend, ("auto", *sorted(ATTENTION)))
         _one_of("model.lm_head_init", m.lm_head_init, ("random", "target"))
         _one_of("model.norm_init", m.norm_init, ("ones", "target", "zeros"))
@@ -276,11 +288,22 @@ class RunConfig:
             raise ConfigError(f"train.teacher_epoch_cache_mb must be >= 0, got {t.teacher_epoch_cache_mb}")
         if t.accept_loss_weight < 0:
             raise ConfigError(f"train.accept_loss_weight must be >= 0, got {t.accept_loss_weight}")
+
+    def _validate_levers(self) -> None:
+        """A model lever (LEVERS) set away from its default must be one the drafter family takes."""
+        m = self.model
+        from models.registry import family
+
+        fam = family(m.method)
         changed = [k for k, default in LEVERS.items() if getattr(m, k) != default and k not in fam.levers]
         if changed:
             takes = f"model.{', model.'.join(fam.levers)}" if fam.levers else "none"
             raise ConfigError(f"model.{', model.'.join(changed)}: not a lever of model.method={m.method} "
                               f"({fam.label} takes: {takes})")
+
+    def _validate_data(self) -> None:
+        """DeepSpeed's and the logger's choices, and the data settings that exclude each other."""
+        d, ds, lg = self.data, self.deepspeed, self.logger
         _one_of("deepspeed.precision", ds.precision, PRECISIONS)
         _one_of("deepspeed.dist_backend", ds.dist_backend, DIST_BACKENDS)
         _one_of("deepspeed.zero_stage", ds.zero_stage, (0, 1, 2, 3))
@@ -304,6 +327,10 @@ class RunConfig:
                               "a sequence-parallel group read the same samples and would write the same shards")
         if d.hybrid_tokens_per_shard < 1:
             raise ConfigError(f"data.hybrid_tokens_per_shard must be >= 1, got {d.hybrid_tokens_per_shard}")
+
+    def _validate_ranges(self) -> None:
+        """Counts, sizes and rates within their ranges."""
+        m, d, t, ds = self.model, self.data, self.train, self.deepspeed
         for key, value in [
             ("data.max_len", d.max_len),
             ("data.batch_size", d.batch_size),
@@ -359,30 +386,35 @@ class RunConfig:
                 f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of "
                 f"model.num_key_value_heads ({m.num_key_value_heads})"
             )
-        self._validate_long_context()
-        if world_size is not None:
-            if d.target_placement == "tp" and d.source != "offline":
-                from data_prep.targets import check_world
 
-                try:  # the heads are checked against the target's config.json when the target is resolved
-                    check_world(d.target_tp_size or world_size, world_size, "data.target_tp_size")
-                except ValueError as e:
-                    raise ConfigError(str(e)) from e
-            sp = ds.sequence_parallel_size
-            if world_size % sp:
-                raise ConfigError(f"deepspeed.sequence_parallel_size={sp} must divide the world size {world_size}")
-            data_ranks = world_size // sp
-            what = f"the world size {world_size}" if sp == 1 else f"the data-parallel size {data_ranks}"
-            for key, value in [
-                ("data.batch_size", d.batch_size),
-                ("data.eval_batch_size", d.eval_batch_size),
-            ]:
-                if value % data_ranks:
-                    raise ConfigError(
-                        f"{key}={value} must be a multiple of {what}: each global batch "
-                        "is split evenly over the ranks"
-                    )
-        self._validate_dflash()
+    def _validate_world(self, world_size: int) -> None:
+        """What depends on the world size: the target's tensor-parallel groups and the batches' split."""
+        d, ds = self.data, self.deepspeed
+        if d.target_placement == "tp" and d.source != "offline":
+            from data_prep.targets import check_world
+
+            try:  # the heads are checked against the target's config.json when the target is resolved
+                check_world(d.target_tp_size or world_size, world_size, "data.target_tp_size")
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
+        sp = ds.sequence_parallel_size
+        if world_size % sp:
+            raise ConfigError(f"deepspeed.sequence_parallel_size={sp} must divide the world size {world_size}")
+        data_ranks = world_size // sp
+        what = f"the world size {world_size}" if sp == 1 else f"the data-parallel size {data_ranks}"
+        for key, value in [
+            ("data.batch_size", d.batch_size),
+            ("data.eval_batch_size", d.eval_batch_size),
+        ]:
+            if value % data_ranks:
+                raise ConfigError(
+                    f"{key}={value} must be a multiple of {what}: each global batch "
+                    "is split evenly over the ranks"
+                )
+
+    def _warn_ineffective(self) -> None:
+        """Settings that take no effect in this combination: a warning, not an error."""
+        t, ds = self.train, self.deepspeed
         if ds.cpu_shm_comm and ds.dist_backend == "nccl":
             warnings.warn("deepspeed.cpu_shm_comm has no effect with the nccl backend", stacklevel=2)
         if t.eval_interval and t.max_steps and t.eval_interval > t.max_steps:
@@ -390,7 +422,6 @@ class RunConfig:
                 f"train.eval_interval={t.eval_interval} > train.max_steps={t.max_steps}: only the final eval runs",
                 stacklevel=2,
             )
-        return self
 
     def _validate_long_context(self) -> None:
         """data.overflow=split and deepspeed.sequence_parallel_size (the parts without a world size)."""

@@ -334,28 +334,12 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, sign
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    train_source, eval_source = sample_sources(cfg, run_dir, data_rank, data_world)
-    train_data = ShardBatches(train_source, cfg.data, cfg.data.batch_size, data_rank, data_world, seed=t.seed,
-                              subset=cfg.data.train_samples, all_tokens=cfg.data.loss_tokens == "all")
-    eval_data = None
-    if eval_source is not None:
-        eval_data = ShardBatches(
-            eval_source, cfg.data, cfg.data.eval_batch_size, data_rank, data_world,
-            max_samples=cfg.data.eval_max_samples, drop_last=False,
-        )
-    elif rank == 0:
-        log.warning("%s was prepared without a held-out split (eval_samples=0): this run trains without "
-                    "evaluation (summary.json eval: null)", prep)
+    train_data, eval_data = open_data(cfg, run_dir, rank, data_rank, data_world)
     steps_total = total_steps(cfg, train_data.batches_per_epoch)
     if rank == 0 and t.warmup(steps_total) >= steps_total:  # the lr never leaves its warmup ramp
         log.warning("the lr warmup (%d optimizer steps) is not shorter than the run (%d steps): the lr never reaches "
                     "train.lr; lower train.warmup_steps or set train.warmup_ratio", t.warmup(steps_total), steps_total)
-    ckpt = checkpoint.load(latest) if latest is not None else None
-    if ckpt is not None and not t.extend and ckpt.state.get("total_steps", steps_total) != steps_total:
-        raise RunDirError(f"train.resume=true from {ckpt.path}: the run has {steps_total} optimizer steps now, "
-                          f"{ckpt.state['total_steps']} when it was saved (the prep's sample count changed?)")
-    if t.resume and ckpt is None:
-        log.warning("train.resume=true but %s has no checkpoint: starting from scratch", run_dir / "checkpoints")
+    ckpt = load_resumed(cfg, latest, steps_total, run_dir)
 
     torch.manual_seed(t.seed)  # identical initial weights on every rank (ZeRO-3 partitions each rank's copy)
     head = load_head(prep)
@@ -423,8 +407,57 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, sign
         logger.log("eval", step, eval_metrics)
     if finished and t.export:
         export(engine, module, run_dir / "export", cfg.model.method, prep_target(cfg.data.dir))
-    summary = {
-        "finished": finished,
+    summary = run_summary(cfg, engine, sp, train_data, cursor, step, steps_total, preempted, extensions,
+                          eval_metrics, world, t0, tokens_total)
+    if rank == 0:
+        logger.log("summary", step, summary)
+        (run_dir / RUN_SUMMARY).write_text(_json(summary))
+        log.info("done: %d/%d steps in %.1f s; held-out sim_tau %s", step, steps_total, summary["wall_s"],
+                 None if eval_metrics is None else round(eval_metrics["sim_tau"], 3))
+    logger.close()
+    engine.destroy()
+    if preempted:
+        dist.barrier()  # no rank exits before rank 0 has written the summary
+        raise Preempted(preempted)
+    return summary if rank == 0 else {}
+
+
+def open_data(cfg: RunConfig, run_dir: Path, rank: int, data_rank: int, data_world: int):
+    """(the training batches, the held-out batches or None) of this data-parallel rank."""
+    train_source, eval_source = sample_sources(cfg, run_dir, data_rank, data_world)
+    train_data = ShardBatches(train_source, cfg.data, cfg.data.batch_size, data_rank, data_world,
+                              seed=cfg.train.seed, subset=cfg.data.train_samples,
+                              all_tokens=cfg.data.loss_tokens == "all")
+    eval_data = None
+    if eval_source is not None:
+        eval_data = ShardBatches(
+            eval_source, cfg.data, cfg.data.eval_batch_size, data_rank, data_world,
+            max_samples=cfg.data.eval_max_samples, drop_last=False,
+        )
+    elif rank == 0:
+        log.warning("%s was prepared without a held-out split (eval_samples=0): this run trains without "
+                    "evaluation (summary.json eval: null)", cfg.data.dir)
+    return train_data, eval_data
+
+
+def load_resumed(cfg: RunConfig, latest: Path | None, steps_total: int, run_dir: Path):
+    """The checkpoint a resume continues (None: a fresh run), refused when the run's length changed under it
+    without train.extend=true."""
+    ckpt = checkpoint.load(latest) if latest is not None else None
+    if ckpt is not None and not cfg.train.extend and ckpt.state.get("total_steps", steps_total) != steps_total:
+        raise RunDirError(f"train.resume=true from {ckpt.path}: the run has {steps_total} optimizer steps now, "
+                          f"{ckpt.state['total_steps']} when it was saved (the prep's sample count changed?)")
+    if cfg.train.resume and ckpt is None:
+        log.warning("train.resume=true but %s has no checkpoint: starting from scratch", run_dir / "checkpoints")
+    return ckpt
+
+
+def run_summary(cfg: RunConfig, engine, sp, train_data, cursor: Cursor, step: int, steps_total: int, preempted: int,
+                extensions: list[dict], eval_metrics: dict | None, world: int, t0: float, tokens_total: int) -> dict:
+    """What the run's summary.json says of it."""
+    t = cfg.train
+    return {
+        "finished": step >= steps_total,
         "preempted": signal_name(preempted),  # stopped by this signal at `steps`, resumable (exit status 75)
         "steps": step,
         "total_steps": steps_total,
@@ -443,17 +476,6 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, sign
         "data": train_data.stats(),  # online: the target forward's time; bytes written
         **memory_stats(),
     }
-    if rank == 0:
-        logger.log("summary", step, summary)
-        (run_dir / RUN_SUMMARY).write_text(_json(summary))
-        log.info("done: %d/%d steps in %.1f s; held-out sim_tau %s", step, steps_total, summary["wall_s"],
-                 None if eval_metrics is None else round(eval_metrics["sim_tau"], 3))
-    logger.close()
-    engine.destroy()
-    if preempted:
-        dist.barrier()  # no rank exits before rank 0 has written the summary
-        raise Preempted(preempted)
-    return summary if rank == 0 else {}
 
 
 def _json(x) -> str:
