@@ -12,7 +12,7 @@ bench/results/vllm_capture.json (+ .png):
   largest magnitude of the HF side: SmolLM2 carries activations of ~2e4 in a few channels);
 - argmax agreement of the logits the prep's target head (models/target_head.py) recomputes from each teacher;
 - prep's fidelity checks on the first two samples: check_engine_fidelity (against the transformers forward,
-  capture.vllm.fidelity=hf) and check_engine_head (the head on vLLM's teacher against vLLM's own top-1 at every
+  vllm.capture_fidelity=hf) and check_engine_head (the head on vLLM's teacher against vLLM's own top-1 at every
   position, from its prompt logprobs: the default, without a transformers target), and over every sample the
   share whose last position's head argmax is the token vLLM chose (`next_token_agreement`);
 - throughput, tokens/s: HF capture (forward + hooks), vLLM capture (wall time from the server's health to the
@@ -205,9 +205,10 @@ def prep_engines(vllm_python: str, out_json: Path, work: Path) -> dict:
     from data_prep.targets import load_tokenizer, resolve_target
 
     routes = {
+        # the demo's own vLLM prep (the Makefile's DEMO_PREP_ARGS and DEMO_VLLM_ARGS)
         "vllm": ["NPROC=1", "OMP_NUM_THREADS=2", "VLLM_CPU_NUM_OF_RESERVED_CPU=0",
-                 f"ARGS=max_len=1024 regen.backend=vllm capture.engine=vllm vllm.python={vllm_python} "
-                 "+vllm.engine_kwargs.enforce_eager=true"],
+                 f"ARGS=max_len=1024 regen.backend=vllm regen.batch_size=64 capture.engine=vllm "
+                 f"vllm.python={vllm_python} +vllm.engine_kwargs.enforce_eager=true"],
         "hf": ["NPROC=2", "ARGS=max_len=1024"],
     }
     tok = load_tokenizer(resolve_target(TARGET))
@@ -251,12 +252,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(RESULTS / "vllm_capture.json"))
     p.add_argument("--engine-only", metavar="ENGINE_KWARGS_JSON",
-                   help="time only vLLM's capture with these vllm.LLM arguments (e.g. '{\"max_num_batched_tokens\": "
+                   help="time only vLLM's capture with these engine arguments of vllm serve (e.g. '{\"max_num_batched_tokens\": "
                         "2048}'), print its throughput, write nothing")
     p.add_argument("--prep", action="store_true",
                    help="the demo's whole make prep on the transformers route and on prep's vLLM engine (one engine "
                         "regenerates and captures), side by side: bench/results/prep_engines.json")
     args = p.parse_args()
+    # vLLM's CPU build keeps one core for its API server unless told otherwise: on 2 cores that halves the model's
+    # share; both sides get both cores (HF: torch threads)
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     if args.prep:
         with tempfile.TemporaryDirectory(prefix="prep_engines.") as tmp:
             # absolute, not resolved: a venv's python is a link to the base interpreter, which lacks vLLM
@@ -279,6 +283,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="vllm_capture.") as tmp:
         result = compare(samples, args.vllm_python, Path(tmp), args.max_len)
     result["threads"] = args.threads
+    result["vllm_cpu_num_of_reserved_cpu"] = os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"]
+    from data_prep.config import VLLMConfig
+
+    result["vllm_max_in_flight"] = VLLMConfig().max_in_flight
     result["load_average_1min_at_end"] = os.getloadavg()[0]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -60,7 +60,7 @@ RESERVED_ENGINE_KWARGS = ("model", "tokenizer", "dtype", "speculative_config", "
 
 @dataclass
 class VLLMConfig:
-    """Prep's vLLM engine (data_prep/vllm_engine.py): vLLM's own OpenAI-compatible server. It regenerates with
+    """Prep's vLLM engine (data_prep/vllm_client.py): vLLM's own OpenAI-compatible server. It regenerates with
     regen.backend=vllm and captures with capture.engine=vllm, the same server for both. Prep starts one per prep
     rank, on the rank's own group of tensor_parallel_size x pipeline_parallel_size devices of its node, or uses the
     servers already running at `urls`."""

@@ -229,7 +229,7 @@ def check_engine_head(head: TargetHead, probe: Sequence[Tensor], teachers: Seque
     must be that token's log-probability in the engine within twice that tolerance (a logit and the log-sum-exp,
     each within it). This ties the shards' teacher to the engine's own logits and the head that training applies
     to it; the taps, read from the same residual stream as the teacher, are compared with the transformers
-    forward by check_engine_fidelity (capture.vllm.fidelity=hf). FidelityError naming what differs."""
+    forward by check_engine_fidelity (vllm.capture_fidelity=hf). FidelityError naming what differs."""
     device = head.lm_head.weight.device
     dtype = teachers[0].dtype
     positions = agreed = decisive_misses = 0

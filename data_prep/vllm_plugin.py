@@ -3,7 +3,7 @@ imported by the project's processes): the version check and the hidden-states co
 
     <vllm python> -m data_prep.vllm_plugin --check     # one JSON line: vLLM's version, usable or why not
 
-Prep's vLLM server (data_prep/vllm_engine.py) captures with vLLM's own hidden-state extraction: the
+Prep's vLLM server (data_prep/vllm_client.py) captures with vLLM's own hidden-state extraction: the
 `extract_hidden_states` speculative method makes the target's forward return the residual stream after the layers
 named in `eagle_aux_hidden_state_layer_ids` (id k = the output of decoder layer k-1, hidden_states + residual,
 before the final norm for k = num_layers), the extractor's cache-only attention layer writes them into a KV cache

@@ -1,5 +1,5 @@
 """vLLM's own OpenAI-compatible server, started, checked and stopped: the one home of the project's vLLM plumbing
-(prep's engine, data_prep/vllm_engine.py; eval's engine check, eval/engine_check.py; the benches).
+(prep's servers, data_prep/vllm_client.py; eval's engine check, eval/engine_check.py; the benches).
 
 vLLM lives in its own virtual environment (it pins its own torch), so a server is `<vllm python> -m
 vllm.entrypoints.openai.api_server ...` (what `vllm serve` runs), never imported here.
@@ -214,10 +214,10 @@ class VLLMServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "w") as log:
             # stdin: the pipe whose end-of-file tells the guard that this process is gone
-            self.guard = subprocess.Popen(
-                [sys.executable, "-m", "infra.vllm_server", "--guard", "--grace-s", str(self.grace_s),
-                 *(["--scratch", str(self.scratch)] if self.scratch else []), "--", *self.command], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                env=self.env, start_new_session=True)
+            guard = [sys.executable, "-m", "infra.vllm_server", "--guard", "--grace-s", str(self.grace_s),
+                     *(["--scratch", str(self.scratch)] if self.scratch else []), "--", *self.command]
+            self.guard = subprocess.Popen(guard, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                          cwd=REPO_ROOT, env=self.env, start_new_session=True)
         self.started = time.perf_counter()
         return self
 
