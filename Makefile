@@ -25,7 +25,7 @@ ARGS ?=
 # beside set-up) that regenerates and captures, training on 2 processes; 28 minutes cold on 2 CPU cores
 # (docs/results.md). Without a vLLM CPU build for this machine the prep regenerates with transformers instead.
 DEMO_PREP_ARGS ?= max_len=1024
-DEMO_VLLM_ARGS ?= regen.backend=vllm regen.batch_size=64 capture.engine=vllm \
+DEMO_VLLM_ARGS ?= regen.backend=vllm regen.batch_size=256 capture.engine=vllm \
 	vllm.python=$(abspath $(VLLM_VENV))/bin/python +vllm.engine_kwargs.enforce_eager=true
 # Training's held-out eval once, at the end (the steps' own losses show the progress): ~30 s an eval here.
 DEMO_TRAIN_ARGS ?= train.eval_interval=0

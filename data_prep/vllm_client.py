@@ -32,7 +32,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -211,8 +211,10 @@ class VLLMClient:
         return str(self.scratch / f"{name}.safetensors")
 
     def _stream(self, bodies: Iterable[tuple[dict, int]]) -> Iterator[dict]:
-        """Send each (request body, bytes its file will take) and yield the answers in the order sent, with at most
-        vllm.max_in_flight requests and the scratch budget's bytes outstanding (always at least one request)."""
+        """Send each (request body, bytes its file will take) and yield the answers in the order sent. At most
+        vllm.max_in_flight requests are unanswered at a time (a new one goes out as soon as any is answered, not
+        only the oldest), and at most the scratch budget's bytes are outstanding, a request counted from when it is
+        sent until its answer is taken (always at least one request)."""
         assert self._pool is not None, "start() first"
         pending: deque[tuple[Future, int]] = deque()
         outstanding = 0
@@ -220,13 +222,19 @@ class VLLMClient:
         nxt = next(todo, None)
         try:
             while pending or nxt is not None:
-                while nxt is not None and len(pending) < self.cfg.max_in_flight and (
+                unanswered = [f for f, _ in pending if not f.done()]
+                while nxt is not None and len(unanswered) < self.cfg.max_in_flight and (
                         not pending or outstanding + nxt[1] <= self.budget):
                     endpoint = self.endpoints[self._sent % len(self.endpoints)]
                     self._sent += 1
-                    pending.append((self._pool.submit(self._post, endpoint, nxt[0]), nxt[1]))
+                    future = self._pool.submit(self._post, endpoint, nxt[0])
+                    pending.append((future, nxt[1]))
+                    unanswered.append(future)
                     outstanding += nxt[1]
                     nxt = next(todo, None)
+                if not pending[0][0].done():
+                    wait(unanswered, return_when=FIRST_COMPLETED)  # each request is bounded by vllm.timeout_s
+                    continue
                 future, size = pending.popleft()
                 yield future.result()
                 outstanding -= size

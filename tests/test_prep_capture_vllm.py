@@ -315,7 +315,7 @@ def test_the_demos_vllm_prep_composes() -> None:
     with initialize_config_dir(config_dir=str(ROOT / "conf" / "prep"), version_base="1.3"):
         cfg = prep_config(compose(config_name="prep", overrides=["out=x", *shown.split()]))
     cfg.validate()
-    assert (cfg.regen.backend, cfg.capture.engine, cfg.max_len, cfg.regen.batch_size) == ("vllm", "vllm", 1024, 64)
+    assert (cfg.regen.backend, cfg.capture.engine, cfg.max_len, cfg.regen.batch_size) == ("vllm", "vllm", 1024, 256)
     assert cfg.vllm.engine_kwargs == {"enforce_eager": True}
     assert cfg.vllm.python == str(ROOT / ".venv-vllm" / "bin" / "python")
 
