@@ -21,9 +21,10 @@ PREP_DIR ?= $(OUT)/prep/$(MODEL)
 RUN_DIR ?= $(OUT)/runs/demo
 EXP ?= eagle3_ttt
 ARGS ?=
-# What `make demo` runs: the embedded target; prep on one vLLM engine (vLLM's CPU build in its own venv, built
-# beside set-up) that regenerates and captures, training on 2 processes; 28 minutes cold on 2 CPU cores
-# (docs/results.md). Without a vLLM CPU build for this machine the prep regenerates with transformers instead.
+# What `make demo` runs: the embedded target; prep on one vLLM server (vLLM's CPU build in its own venv, built
+# beside set-up; both cores, a 6 GiB KV cache for its 128 requests in flight) that regenerates and captures,
+# training on 2 processes (docs/results.md). Without a vLLM CPU build for this machine the prep regenerates with
+# transformers instead.
 DEMO_PREP_ARGS ?= max_len=1024
 DEMO_VLLM_ARGS ?= regen.backend=vllm regen.batch_size=256 capture.engine=vllm \
 	vllm.python=$(abspath $(VLLM_VENV))/bin/python +vllm.engine_kwargs.enforce_eager=true
@@ -67,7 +68,8 @@ eval: setup
 demo:
 	$(MAKE) -j2 setup demo-vllm-venv  # the two venvs install side by side
 	if test -x $(VLLM_VENV)/bin/python; then \
-		$(MAKE) prep NPROC=1 OMP_NUM_THREADS=2 VLLM_CPU_NUM_OF_RESERVED_CPU=0 ARGS="$(DEMO_PREP_ARGS) $(DEMO_VLLM_ARGS)"; \
+		$(MAKE) prep NPROC=1 OMP_NUM_THREADS=2 VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=6 \
+			ARGS="$(DEMO_PREP_ARGS) $(DEMO_VLLM_ARGS)"; \
 	else $(MAKE) prep ARGS="$(DEMO_PREP_ARGS)"; fi
 	$(MAKE) train EXP=eagle3_demo ARGS="$(DEMO_TRAIN_ARGS)"
 	$(MAKE) eval ARGS="$(DEMO_EVAL_ARGS)"

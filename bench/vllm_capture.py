@@ -206,7 +206,7 @@ def prep_engines(vllm_python: str, out_json: Path, work: Path) -> dict:
 
     routes = {
         # the demo's own vLLM prep (the Makefile's DEMO_PREP_ARGS and DEMO_VLLM_ARGS)
-        "vllm": ["NPROC=1", "OMP_NUM_THREADS=2", "VLLM_CPU_NUM_OF_RESERVED_CPU=0",
+        "vllm": ["NPROC=1", "OMP_NUM_THREADS=2", "VLLM_CPU_NUM_OF_RESERVED_CPU=0", "VLLM_CPU_KVCACHE_SPACE=6",
                  f"ARGS=max_len=1024 regen.backend=vllm regen.batch_size=256 capture.engine=vllm "
                  f"vllm.python={vllm_python} +vllm.engine_kwargs.enforce_eager=true"],
         "hf": ["NPROC=2", "ARGS=max_len=1024"],

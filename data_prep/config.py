@@ -75,7 +75,7 @@ class VLLMConfig:
     # none, and its ranks split these (rank r takes urls[r::world], or urls[r % len] when there are fewer).
     urls: list[str] = field(default_factory=list)
     timeout_s: float = 1200.0  # bounds every wait: a server's startup, and each request
-    max_in_flight: int = 64  # requests a rank has in flight (vLLM batches them)
+    max_in_flight: int = 128  # requests a rank has in flight (vLLM batches them; more wait in its queue)
     # Node-local scratch for the hidden-state files the server writes (None: $TMPDIR, else the system's temporary
     # directory), bounded to scratch_gb: only finished shards go to the prep directory.
     scratch_dir: str | None = None
