@@ -552,7 +552,7 @@ def plan_prep(cfg: PrepConfig) -> PrepPlan:
                     else "first")
 
 
-def vllm_client(cfg: PrepConfig, plan: PrepPlan, preset: TargetPreset, tap_layers: list[int], python: str | None,
+def rank_servers(cfg: PrepConfig, plan: PrepPlan, preset: TargetPreset, tap_layers: list[int], python: str | None,
                cuda: bool, part: int, rank: int, world: int, out: Path):
     """This rank's vLLM servers (data_prep/vllm_client.py): `with` starts them (they build in the background) or
     connects to the user's."""
@@ -592,8 +592,8 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
 
                 python, info = ready(cfg.vllm.python)
                 cuda = bool(info.get("cuda"))
-            client = stack.enter_context(vllm_client(cfg, plan, preset, tap_layers, python, cuda, part, rank, world,
-                                                     out))
+            client = stack.enter_context(rank_servers(cfg, plan, preset, tap_layers, python, cuda, part, rank, world,
+                                                      out))
         model = None
         if plan.hf_target == "first":
             model, tokenizer = load_target(preset, cfg.dtype, device, chat_template=cfg.chat_template,

@@ -26,6 +26,7 @@ deleted); answers are taken in the order sent, so shards are written in capture 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -46,7 +47,6 @@ from infra.vllm_server import (
     cli_args,
     device_group,
     post_json,
-    reason_from_log,
     served_model,
 )
 
@@ -201,9 +201,7 @@ class VLLMClient:
                 deadline = time.perf_counter() + 10.0
                 while self.server.alive() and time.perf_counter() < deadline:
                     time.sleep(0.1)
-                if not self.server.alive():
-                    reason = reason_from_log(self.log_path) or "no error line in its log"
-                    raise VLLMServerError(f"{self.server.describe()} exited: {reason}") from None
+                self.server.raise_if_dead()  # its own message: exited, with vLLM's reason
             raise e from None
 
     def _file(self, name: str) -> str:
@@ -295,8 +293,6 @@ class VLLMClient:
 def take_file(answer: dict, delete: bool = False) -> Path | None:
     """The connector file of a finished request, once its writer has released it (None: no extraction); `delete`:
     removed at once (a regeneration request's prompt states)."""
-    import fcntl
-
     path = (answer.get("kv_transfer_params") or {}).get("hidden_states_path")
     if path is None:
         return None

@@ -195,14 +195,13 @@ class VLLMServer:
     builds while the caller goes on) and stops it with its process tree."""
 
     def __init__(self, python: str, args: Sequence[str], *, log_path: Path, devices: str | None = None,
-                 port: int | None = None, grace_s: float = 30.0, env: dict[str, str] | None = None,
-                 scratch: Path | None = None):
+                 grace_s: float = 30.0, scratch: Path | None = None):
         self.python, self.args, self.log_path = python, list(args), Path(log_path)
         self.devices, self.grace_s, self.scratch = devices, grace_s, scratch
-        self.port = port or free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.key = secrets.token_urlsafe(24)
-        self.env = server_env(dict(os.environ if env is None else env), devices, self.key)
+        self.env = server_env(dict(os.environ), devices, self.key)
         self.guard: subprocess.Popen | None = None
         self.started = self.startup_s = None
 
@@ -382,11 +381,8 @@ def guard(command: list[str], grace_s: float, scratch: str | None = None) -> int
     threading.Thread(target=watch_stdin, daemon=True).start()
     while server.poll() is None and not parent_gone.wait(0.2):
         pass
-    status = server.poll()
-    if status is None:
-        server.send_signal(signal.SIGTERM)
     try:
-        os.killpg(0, signal.SIGTERM)  # vLLM's engine-core and worker processes too; ignored by this guard
+        os.killpg(0, signal.SIGTERM)  # the server, vLLM's engine-core and worker processes; ignored by this guard
     except ProcessLookupError:
         pass
     try:
@@ -413,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if not command:
         p.error("no command after --")
-    return guard(command, args.grace_s, args.scratch) if args.guard else 2
+    return guard(command, args.grace_s, args.scratch)
 
 
 if __name__ == "__main__":

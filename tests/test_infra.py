@@ -19,7 +19,7 @@ MOUNTS = """/dev/sda1 / ext4 rw,relatime 0 0
 10.0.0.1@tcp:/proj /lustre/proj lustre rw,flock 0 0
 nfs:/home /shared nfs4 rw,vers=4.2 0 0
 beegfs_nodev /beegfs beegfs rw 0 0
-bucket /mnt/bucket fuse.gcsfuse rw 0 0
+bucket /buckets/b1 fuse.gcsfuse rw 0 0
 """
 
 
@@ -28,8 +28,8 @@ bucket /mnt/bucket fuse.gcsfuse rw 0 0
     ("/lustre/proj/prep", ("/lustre/proj", "lustre"), False),  # the longest mount point wins; flock: coherent
     ("/shared/runs/r1", ("/shared", "nfs4"), False),
     ("/beegfs/prep", ("/beegfs", "beegfs"), True),
-    ("/mnt/bucket/prep", ("/mnt/bucket", "fuse.gcsfuse"), True),
-    ("/var/tmp/prep", ("/", "ext4"), False),
+    ("/buckets/b1/prep", ("/buckets/b1", "fuse.gcsfuse"), True),
+    ("/data/prep", ("/", "ext4"), False),
 ])
 def test_filesystems_whose_flock_stays_on_one_node_are_named(path: str, mount: tuple, node_local: bool) -> None:
     point, fstype, options = mount_of(Path(path), MOUNTS)

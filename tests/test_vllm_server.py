@@ -95,13 +95,13 @@ def test_serve_args_extract_the_taps_and_take_the_users_engine_arguments() -> No
     assert "--speculative-config" not in regen_only and "--kv-transfer-config" not in regen_only
 
 
-def test_scratch_must_hold_one_sample() -> None:
+def test_scratch_must_hold_one_sample(tmp_path: Path) -> None:
     from infra.config_keys import ConfigError
 
     spec = ServerSpec(model="/m", dtype="bfloat16", max_model_len=40_001, hidden_size=2880, layer_ids=[2, 18, 33, 36])
     with pytest.raises(ConfigError, match=r"vllm.scratch_gb=0.5 holds less than one sample of max_len \(40000 tokens"):
         VLLMClient(spec, VLLMConfig(scratch_gb=0.5), python="/x", cuda=False, rank=0, world=1, local_rank=0,
-                   num_devices=0, log_path=Path("/tmp/x.log"))
+                   num_devices=0, log_path=tmp_path / "vllm.log")
 
 
 def test_a_relative_vllm_python_is_taken_from_the_working_directory(tmp_path: Path, monkeypatch) -> None:
