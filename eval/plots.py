@@ -46,3 +46,39 @@ def plot_accept_histogram(counts: list[int], path: Path, title: str = "") -> Pat
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_categories(report: dict, path: Path) -> Path:
+    """τ per (suite, category) with its 95% interval (and the engine's τ where it ran), and α per position per
+    suite."""
+    plt = _pyplot()
+    entries, suites = report["categories"], report["suites"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [2, 1]})
+    xs = list(range(len(entries)))
+    taus = [e["tau"] if e["tau"] == e["tau"] and e["tau"] is not None else 0.0 for e in entries]
+    lo = [t - (e["tau_ci95"][0] if e["tau_ci95"] else t) for t, e in zip(taus, entries)]
+    hi = [(e["tau_ci95"][1] if e["tau_ci95"] else t) - t for t, e in zip(taus, entries)]
+    colors = {s: f"C{i}" for i, s in enumerate(suites)}
+    ax.bar(xs, taus, yerr=[lo, hi], capsize=3, color=[colors[e["suite"]] for e in entries], alpha=0.8)
+    eng = [(x, e["engine"]["tau"]) for x, e in zip(xs, entries) if (e.get("engine") or {}).get("tau") is not None]
+    if eng:
+        ax.plot([x for x, _ in eng], [t for _, t in eng], "k_", markersize=14, mew=2, label="vLLM's τ")
+        ax.legend(fontsize=8)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([f"{e['suite']}/{e['category']}" for e in entries], rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("τ (tokens per verify forward)")
+    ax.set_ylim(1.0, max([*[t + h for t, h in zip(taus, hi)], 1.5]) * 1.05)
+    ax.set_title("τ per category, 95% bootstrap interval over prompts")
+    for suite, s in suites.items():
+        alpha = s["alpha"]
+        bx.plot(range(len(alpha)), [a if a is not None else float("nan") for a in alpha], "o-", color=colors[suite],
+                label=f"{suite} (τ {s['tau']:.2f})")
+    bx.set_xlabel("draft position n")
+    bx.set_ylabel("α_n")
+    bx.set_ylim(0, 1.02)
+    bx.set_title("α per position per suite")
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,9 +1,10 @@
 """Evaluate an exported EAGLE-3 drafter: speculative vs plain decoding of the target on prompts.
 
-    python launch/eval.py drafter=outputs/export target=smollm2-135m-instruct prompts=mtbench \
-        out_dir=outputs/eval decode.mode=tree decode.temperature=0 decode.max_new_tokens=128 decode.num_prompts=8
+    python launch/eval.py drafter=outputs/export target=smollm2-135m-instruct prompts=all \
+        out_dir=outputs/eval decode.mode=tree decode.temperature=0 decode.max_new_tokens=128 decode.num_prompts=2
 
-Writes <out_dir>/report.json (τ pooled and per request, α_n, tokens/s, speedup, samples) and PNG plots.
+Writes <out_dir>/report.json (τ pooled and per request, per suite and category with intervals, α_n, tokens/s,
+speedup, samples), categories.md and PNG plots; engine=vllm puts vLLM's own figures beside ours (eval/engine.py).
 Schema: eval/config.py (EvalConfig); decoding: eval/spec_decode.py.
 """
 

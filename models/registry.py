@@ -49,7 +49,7 @@ class DrafterFamily:
     attn_backend: bool = True  # model.attn_backend chooses its attention (models/attention.py)
     options: str | None = None  # its own config sections, model.<options> and train.<options>
     block_drafting: bool = False  # drafts a fixed block per verify: decode.depth / topk / total_tokens unused
-    # vLLM's --speculative-config method for its exports, where eval/engine_check.py checks them; None: not checked
+    # vLLM's --speculative-config method for its exports, where eval/engine.py checks and serves them; None: not checked
     vllm_method: str | None = None
 
     def _load(self, name: str) -> ModuleType:

@@ -211,7 +211,7 @@ def test_bad_prompt_line_is_named(tmp_path: Path, line: bytes, reason: str) -> N
     path = tmp_path / "p.jsonl"
     path.write_bytes(b'{"turns": ["fine", "also fine"]}\n\n' + line + b'\n{"prompt": "after"}\n')
     with pytest.raises(ValueError) as e:
-        load_prompts(str(path), limit=1)  # a limit does not skip the check of the later lines
+        load_prompts(str(path), per_category=1)  # a cap does not skip the check of the later lines
     assert str(e.value).startswith(f"{path}:3: {reason}"), str(e.value)
 
 

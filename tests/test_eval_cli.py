@@ -19,8 +19,8 @@ def test_mtbench_preset_has_80_two_turn_questions() -> None:
     recs = load_prompts("mtbench")
     assert len(recs) == 80 and all(len(r.turns) == 2 for r in recs)
     assert len({r.id for r in recs}) == 80 and recs[0].category
-    assert len(load_prompts("mtbench", limit=3, max_turns=1)) == 3
-    assert load_prompts("mtbench", limit=3, max_turns=1)[0].turns == recs[0].turns[:1]
+    three = load_prompts("mtbench", per_category=3, max_turns=1)
+    assert len(three) == 24 and three[0].turns == recs[0].turns[:1]
 
 
 def test_jsonl_prompts(tmp_path) -> None:
@@ -247,19 +247,19 @@ def test_a_foreign_or_edited_export_is_refused(tmp_path, exported_drafter: Path,
     assert message in str(e.value) and str(export) in str(e.value), str(e.value)
 
 
-def test_engine_check_refuses_a_foreign_export_before_vllm_starts(tmp_path, tiny_target_dir: Path,
-                                                                   exported_drafter: Path, tiny_target, capsys) -> None:
+def test_the_engine_refuses_a_foreign_export_before_vllm_starts(tmp_path, tiny_target_dir: Path,
+                                                                exported_drafter: Path, tiny_target) -> None:
     from data_prep.targets import load_tokenizer, resolve_target
-    from eval.engine_check import check_export
+    from eval.engine import check_export
+    from models.export import ExportError
 
     preset = resolve_target(str(tiny_target_dir))
     tokenizer = load_tokenizer(preset)
-    check_export(str(_stamped(tmp_path / "ok", exported_drafter, tiny_target)), preset, tokenizer)
+    assert check_export(str(_stamped(tmp_path / "ok", exported_drafter, tiny_target)), preset, tokenizer) == "eagle3"
     export = _stamped(tmp_path / "foreign", exported_drafter, tiny_target, id="org/big", vocab_size=128256)
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(ExportError) as e:
         check_export(str(export), preset, tokenizer)
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and "was trained for org/big" in err and "differ in vocab_size" in err, err
+    assert "was trained for org/big" in str(e.value) and "differ in vocab_size" in str(e.value), str(e.value)
 
 
 def test_a_trained_drafter_evaluates_on_its_target_and_is_refused_on_another(
@@ -342,3 +342,41 @@ def test_run_eval_on_prep_forms_reports_decoded_outputs(tmp_path, tiny_target_di
     assert "You answer in French." in shown[0] and "You answer in French." in shown[1] and "terse" in shown[2]
     assert samples[0]["output_text"] in shown[1] and "not used" not in shown[1]  # turn 2 follows the model's answer
     assert report["num_requests"] == 3
+
+
+def test_eval_reports_every_category_with_intervals(tmp_path, tiny_target_dir: Path, exported_drafter: Path) -> None:
+    """launch/eval.py on a prompts file with categories: report.json `categories` and `suites`, the printed
+    table, categories.md and categories.png; each entry's figures recomputed from its own samples."""
+    lines = [{"id": f"w{i}", "category": "writing", "turns": [f"Write a line about {w}.", "Shorter."]}
+             for i, w in enumerate(["rain", "snow", "wind"])]
+    lines += [{"id": f"m{i}", "category": "math", "prompt": f"What is {i} + {i}?"} for i in range(4)]
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, str(REPO / "launch" / "eval.py"), f"drafter={exported_drafter}",
+                          f"target={tiny_target_dir}", f"prompts={prompts}", f"out_dir={out}", "dtype=float32",
+                          "decode.mode=chain", "decode.depth=3", "decode.max_new_tokens=10", "decode.num_prompts=3",
+                          "threads=1"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    cats = report["categories"]
+    assert [(c["suite"], c["category"], c["prompts"], c["turns"]) for c in cats] == [
+        ("mine", "writing", 3, 6), ("mine", "math", 3, 3)]
+    samples = report["samples"]
+    for c in cats:
+        mine = [s for s in samples if s["category"] == c["category"]]
+        assert len(mine) == c["turns"] and c["identical"] == {"count": c["turns"], "of": c["turns"]}
+        assert c["new_tokens"] == sum(len(s["output_token_ids"]) for s in mine)
+        assert len(c["alpha"]) == 3 and c["tokens_per_s"]["speculative"] > 0 and c["tokens_per_s"]["baseline"] > 0
+        assert c["speedup"] == pytest.approx(c["tokens_per_s"]["speculative"] / c["tokens_per_s"]["baseline"])
+        assert c["speedup_predicted"] > 0 and 0.0 <= c["oov_rate"] <= 1.0
+        if c["tau"] is not None:
+            assert c["tau_ci95"][0] <= c["tau"] <= c["tau_ci95"][1]
+    # the pooled τ is the turns' pooled τ; the suite's entry pools its categories
+    assert report["suites"]["mine"]["turns"] == 9 and report["suites"]["mine"]["tau"] == pytest.approx(
+        report["tau_pooled"], nan_ok=True)
+    assert report["cycle_cost"]["verified_tokens"] == 4 and set(report["cycle_cost"]["forward_s"]) == {"1", "4"}
+    table = (out / "categories.md").read_text()
+    assert "| mine | writing | 6 |" in table and "| mine | math | 3 |" in table and "bootstrap" in table
+    assert "| mine | writing | 6 |" in res.stdout  # the same table printed at the end
+    assert (out / "categories.png").stat().st_size > 1000

@@ -1,0 +1,185 @@
+"""The evaluation per (suite, category): τ with a bootstrap interval over prompts, α per position, outputs equal to
+plain decoding, OOV rate, tokens/s with and without the drafter, and the speedup the verify cost predicts.
+
+τ of a category is pooled over its turns (Σ emitted tokens in verify cycles / Σ verify forwards: eval/metrics.py).
+Its 95% interval resamples the category's *prompts* (a prompt's turns stay together: its second turn follows its
+own first answer) with replacement, `BOOTSTRAP_SAMPLES` times, and takes the 2.5th and 97.5th percentiles of the
+pooled τ; a category of one prompt has a zero-width interval, which says nothing of the spread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from eval import metrics
+from eval.spec_decode import GenerationRecord
+
+BOOTSTRAP_SAMPLES = 2000
+CI_DEFINITION = (f"95% bootstrap interval of the pooled τ: the category's prompts resampled with replacement "
+                 f"{BOOTSTRAP_SAMPLES} times (each prompt with all its turns), 2.5th / 97.5th percentiles")
+
+
+def bootstrap_tau_ci(per_prompt: Sequence[tuple[int, int]], samples: int = BOOTSTRAP_SAMPLES,
+                     seed: int = 0) -> list[float] | None:
+    """[low, high] of the pooled τ over prompts resampled with replacement; per_prompt = (emitted tokens in verify
+    cycles, verify forwards) of each prompt. None without a verify forward."""
+    counts = torch.tensor([list(p) for p in per_prompt], dtype=torch.float64).reshape(-1, 2)
+    if counts.numel() == 0 or counts[:, 1].sum() == 0:
+        return None
+    idx = torch.randint(len(counts), (samples, len(counts)), generator=torch.Generator().manual_seed(seed))
+    tokens, steps = counts[idx, 0].sum(1), counts[idx, 1].sum(1)
+    taus = (tokens / steps)[steps > 0]  # a draw of prompts that never verified has no τ
+    q = torch.quantile(taus, torch.tensor([0.025, 0.975], dtype=torch.float64))
+    return [float(q[0]), float(q[1])]
+
+
+def prompt_counts(records: Sequence[GenerationRecord]) -> tuple[int, int]:
+    steps = [a for r in records for a in r.accept_lengths]
+    return sum(steps) + len(steps), len(steps)
+
+
+def _rate(records: Sequence[GenerationRecord]) -> float | None:
+    seconds = sum(r.time_s for r in records)
+    return sum(len(r.output_ids) for r in records) / seconds if records and seconds > 0 else None
+
+
+def groups(samples: Sequence[dict]) -> dict[tuple[str, str], list[int]]:
+    """(suite, category) -> the indices of its turns in `samples`, in first-seen order."""
+    out: dict[tuple[str, str], list[int]] = {}
+    for i, s in enumerate(samples):
+        out.setdefault((s["suite"], s["category"]), []).append(i)
+    return out
+
+
+def category_entries(samples: Sequence[dict], spec: Sequence[GenerationRecord], base: Sequence[GenerationRecord],
+                     t2d: torch.Tensor | None, depth: int) -> list[dict]:
+    """One entry per (suite, category) of the turns decoded (samples[i] <-> spec[i] <-> base[i]; base empty without
+    a plain baseline; t2d None: a drafter over the whole vocabulary, OOV rate 0)."""
+    entries = []
+    for (suite, category), idx in groups(samples).items():
+        recs = [spec[i] for i in idx]
+        by_prompt: dict[str, list[GenerationRecord]] = {}
+        for i in idx:
+            by_prompt.setdefault(samples[i]["id"], []).append(spec[i])
+        plain = [base[i] for i in idx] if base else []
+        spec_rate, base_rate = _rate(recs), _rate(plain)
+        alpha = metrics.per_position_acceptance(recs)
+        entries.append({
+            "suite": suite,
+            "category": category,
+            "prompts": len(by_prompt),
+            "turns": len(idx),
+            "tau": metrics.tau_pooled(recs),
+            "tau_ci95": bootstrap_tau_ci([prompt_counts(r) for r in by_prompt.values()]),
+            "alpha": alpha + [None] * (depth - len(alpha)),
+            "identical": ({"count": sum(s.output_ids == b.output_ids for s, b in zip(recs, plain)), "of": len(plain)}
+                          if plain else None),
+            "oov_rate": metrics.oov_rate(recs, t2d) if t2d is not None else 0.0,
+            "new_tokens": sum(len(r.output_ids) for r in recs),
+            "tokens_per_s": {"speculative": spec_rate, "baseline": base_rate},
+            "speedup": spec_rate / base_rate if spec_rate and base_rate else None,
+        })
+    return entries
+
+
+def suite_entries(samples: Sequence[dict], spec: Sequence[GenerationRecord], depth: int) -> dict[str, dict]:
+    """Per suite, pooled over its categories: turns, τ with its interval over the suite's prompts, α per position."""
+    out: dict[str, dict] = {}
+    for suite in dict.fromkeys(s["suite"] for s in samples):
+        idx = [i for i, s in enumerate(samples) if s["suite"] == suite]
+        by_prompt: dict[str, list[GenerationRecord]] = {}
+        for i in idx:
+            by_prompt.setdefault(samples[i]["id"], []).append(spec[i])
+        recs = [spec[i] for i in idx]
+        alpha = metrics.per_position_acceptance(recs)
+        out[suite] = {"prompts": len(by_prompt), "turns": len(idx), "tau": metrics.tau_pooled(recs),
+                      "tau_ci95": bootstrap_tau_ci([prompt_counts(r) for r in by_prompt.values()]),
+                      "alpha": alpha + [None] * (depth - len(alpha))}
+    return out
+
+
+def tau_outside_interval(entry: dict) -> bool:
+    """Whether the engine's τ lies outside our interval for the same prompts (a gap the table flags)."""
+    ci, eng = entry.get("tau_ci95"), (entry.get("engine") or {}).get("tau")
+    slack = 1e-9  # two sums of the same counts in another order differ in the last bits
+    return ci is not None and eng is not None and not ci[0] - slack <= eng <= ci[1] + slack
+
+
+def _f(x, digits: int = 2) -> str:
+    return "–" if x is None or x != x else f"{x:.{digits}f}"
+
+
+def categories_markdown(entries: Sequence[dict]) -> str:
+    """The per-category table (markdown: printed at the end of an evaluation and written beside report.json)."""
+    engine = any(e.get("engine") for e in entries)
+    head = ["suite", "category", "turns", "τ [95% CI]", "α per position", "identical", "OOV", "tok/s spec",
+            "tok/s plain", "speedup (predicted)"]
+    if engine:
+        head += ["engine τ", "engine α", "engine tok/s spec / plain", "gap"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for e in entries:
+        ci = e["tau_ci95"]
+        same = e["identical"]
+        tps = e["tokens_per_s"]
+        row = [e["suite"], str(e["category"]), str(e["turns"]),
+               f"{_f(e['tau'], 3)} [{_f(ci[0] if ci else None)}, {_f(ci[1] if ci else None)}]",
+               " ".join(_f(a) for a in e["alpha"]),
+               f"{same['count']}/{same['of']}" if same else "–", _f(e["oov_rate"], 3),
+               _f(tps["speculative"], 1), _f(tps["baseline"], 1),
+               f"{_f(e['speedup'], 3)} ({_f(e.get('speedup_predicted'), 3)})"]
+        if engine:
+            g = e.get("engine") or {}
+            gt = g.get("tokens_per_s") or {}
+            row += [_f(g.get("tau"), 3), " ".join(_f(a) for a in g.get("alpha") or []),
+                    f"{_f(gt.get('speculative'), 1)} / {_f(gt.get('baseline'), 1)}",
+                    "**outside CI**" if tau_outside_interval(e) else ""]
+        rows.append("| " + " | ".join(row) + " |")
+    return "\n".join(rows)
+
+
+def load_markdown(load: Sequence[dict]) -> str:
+    """The engine's load sweep: per concurrency, with and without the drafter."""
+    rows = ["| requests in flight | tok/s plain | tok/s EAGLE | speedup (predicted) | engine τ | TTFT ms plain / EAGLE "
+            "| ITL ms plain / EAGLE |", "|---|---|---|---|---|---|---|"]
+    for lv in load:
+        p, s = lv["plain"], lv["speculative"]
+        rows.append(f"| {lv['concurrency']} | {_f(p['output_tokens_per_s'], 1)} | {_f(s['output_tokens_per_s'], 1)} | "
+                    f"{_f(lv['speedup'], 3)} ({_f(lv['speedup_predicted'], 3)}) | {_f(s['tau'], 3)} | "
+                    f"{_f(p['ttft_ms']['mean'], 0)} / {_f(s['ttft_ms']['mean'], 0)} | "
+                    f"{_f(p['itl_ms']['mean'], 1)} / {_f(s['itl_ms']['mean'], 1)} |")
+    return "\n".join(rows)
+
+
+def settings_markdown(entries: Sequence[dict]) -> str:
+    """The engine's draft-settings sweep: tokens/s (τ) per category and number of draft tokens; the best marked."""
+    ks = list((entries[0].get("engine") or {}).get("settings") or {}) if entries else []
+    if not ks:
+        return ""
+    rows = ["| suite | category | " + " | ".join(f"k={k}" if k != "0" else "no drafter" for k in ks) + " | best |",
+            "|" + "---|" * (len(ks) + 3)]
+    for e in entries:
+        st, best = e["engine"]["settings"], str(e["engine"]["best_num_speculative_tokens"])
+        cells = [(f"**{_f(st[k]['tokens_per_s'], 1)}**" if k == best else _f(st[k]["tokens_per_s"], 1))
+                 + (f" ({_f(st[k]['tau'], 2)})" if st[k]["tau"] is not None else "") for k in ks]
+        rows.append(f"| {e['suite']} | {e['category']} | " + " | ".join(cells) + f" | k={best} |")
+    return "\n".join(rows)
+
+
+def report_markdown(report: dict) -> str:
+    """categories.md: the per-category table, and the engine's sweeps when it ran."""
+    parts = ["## Per category", "", categories_markdown(report["categories"]), "",
+             "τ = (accepted drafts + 1) per verify forward, pooled over the category's turns; " + CI_DEFINITION + ". "
+             "identical: outputs equal to plain decoding's; OOV: share of emitted tokens outside the draft vocabulary; "
+             "speedup = speculative / plain tokens/s, predicted from the measured verify cost (report.json "
+             "cycle_cost)."]
+    eng = report.get("engine")
+    if eng:
+        parts += ["", f"engine: vLLM, {eng['method']} with {eng['num_speculative_tokens']} draft tokens; "
+                  "**outside CI**: its τ lies outside our interval for the same prompts."]
+        if len(eng["num_speculative_tokens_swept"]) > 2:
+            parts += ["", "## Draft settings (engine tokens/s, τ in brackets)", "", settings_markdown(report["categories"])]
+        if eng["load"]:
+            parts += ["", "## Under load (engine)", "", load_markdown(eng["load"])]
+    return "\n".join(parts) + "\n"
