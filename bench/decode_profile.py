@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Speculative decoding's speed on this machine: where a cycle's time goes, what the target's matrix products cost
-against the tokens, our decoder against plain decoding and transformers' prompt lookup, and the same export served
-by vLLM. One subcommand per measurement; nothing else may share the machine while one runs.
+against the tokens, and our decoder against plain decoding and transformers' prompt lookup (the same export served by
+vLLM: `launch/eval.py engine=vllm`, docs/evaluation.md). One subcommand per measurement; nothing else may share the
+machine while one runs.
 
-    python bench/decode_profile.py profile --drafter outputs/runs/demo/export [--threads 2 --context 256 --prompts 6]
+    python bench/decode_profile.py profile --drafter outputs/runs/demo/export [--threads 2 --context 256 --prompts 1]
     python bench/decode_profile.py gemm [--target smollm2-135m-instruct --threads 2 --repeats 7]
-    python bench/decode_profile.py speed --drafter outputs/runs/demo/export [--num-prompts 10 --temperatures 0,1]
-    python bench/decode_profile.py vllm --vllm-python .venv-vllm/bin/python --drafter outputs/runs/demo/export
+    python bench/decode_profile.py speed --drafter outputs/runs/demo/export [--num-prompts 2 --temperatures 0,1]
 
 `profile` (bench/results/decode_profile_<name>.{json,png}), in ONE process on the decoder's own code paths:
 1. target forward seconds against the number of tokens t = 1..64 after a `--context`-token prefix, on the verify
@@ -17,7 +17,8 @@ by vLLM. One subcommand per measurement; nothing else may share the machine whil
 3. one drafter step (forward_step + its log-probs over the draft vocabulary) against the number of nodes 1..64
    over the same prefix, as a fraction of the plain target step;
 4. the operator breakdown (torch.profiler, self CPU time per op) of the plain step and of a 9-token verify;
-5. with --prompts N > 0: speculative decoding runs (eval.run.run_eval, tree, T=0) over N MT-bench prompts, one per
+5. with --prompts N > 0: speculative decoding runs (eval.run.run_eval, tree, T=0) over N MT-bench prompts per
+   category, one per
    --budgets entry (fixed: m picked once by timing; adaptive: m per cycle by the cost model, whose predicted τ and
    speedup are reported beside the measured ones), each with its own plain baseline; each report splits the
    cycle's wall time by phase (GenerationRecord.phase_s).
@@ -39,14 +40,6 @@ so machine noise hits them alike; every speedup is a ratio to the plain decoding
 §6). Tree's verify budget m is picked once by timing the target (docs/method.md §3) in the first tree pass and
 reused by the later ones. Sampling (T=1) uses eval's defaults top_p=1, top_k=0 and the lossless rules of
 docs/method.md §1; prompt lookup at T=1 is transformers' assisted decoding with `do_sample=True`.
-
-`vllm` (bench/results/vllm_serving.{json,png}): the same drafter served by vLLM's CPU build, throughput with and
-without speculation by concurrency. For each server (plain, then `--speculative-config {"method": <the family
-table's vllm_method>, "num_speculative_tokens": K}`; one at a time, started and stopped by infra.vllm_server.vllm_server) and each
-concurrency c, the first turns of `--num-prompts` MT-bench prompts (greedy, `ignore_eos`, so every request
-generates the same length) are sent with c requests in flight: output tokens per wall second over the whole batch,
-mean request latency, and for the speculative server its mean acceptance length (1 + accepted / drafts, vLLM's
-spec_decode counters). The speedup at c is throughput(spec) / throughput(plain) of the same prompts.
 """
 
 from __future__ import annotations
@@ -57,7 +50,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -481,99 +473,6 @@ def cmd_speed(args: argparse.Namespace) -> dict:
     return result
 
 
-# ---------------------------------------------------------------------------------------------------- vllm
-def run_batch(base: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:
-    from infra.vllm_server import http_post_json
-
-    def one(ids: list[int]) -> tuple[int, float]:
-        t0 = time.perf_counter()
-        out = http_post_json(base + "/v1/completions", {"model": model, "prompt": ids, "max_tokens": max_tokens,
-                                               "temperature": 0.0, "ignore_eos": True})
-        return int(out["usage"]["completion_tokens"]), time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        results = list(pool.map(one, prompts))
-    wall = time.perf_counter() - t0
-    tokens = sum(n for n, _ in results)
-    return {"concurrency": concurrency, "requests": len(prompts), "output_tokens": tokens, "wall_s": wall,
-            "tokens_per_s": tokens / wall, "mean_latency_s": sum(s for _, s in results) / len(results)}
-
-
-def serve_and_measure(args, model: str, prompts: list[list[int]], spec: dict | None, log: Path) -> list[dict]:
-    from eval.engine_check import spec_counters
-    from infra.vllm_server import http_get, vllm_server
-
-    extra = ["--speculative-config", dumps(spec)] if spec else []
-    rows = []
-    with vllm_server(args.vllm_python, model, dtype=args.dtype, log_path=log, extra_args=extra) as base:
-        run_batch(base, model, prompts[:2], 8, 2)  # warm-up, untimed
-        for c in args.concurrency:
-            before = spec_counters(http_get(base + "/metrics"))
-            row = run_batch(base, model, prompts, args.max_new_tokens, c)
-            after = spec_counters(http_get(base + "/metrics"))
-            if spec:
-                drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
-                accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
-                row["mean_acceptance_length"] = 1 + accepted / max(drafts, 1)
-            rows.append(row)
-    return rows
-
-
-def plot_vllm(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for name, rows in (("plain", result["plain"]), (f"EAGLE-3 K={result['k']}", result["speculative"])):
-        axes[0].plot([r["concurrency"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o", label=name)
-    axes[0].set(xscale="log", xlabel="concurrent requests", ylabel="output tokens / s", title="vLLM CPU throughput")
-    axes[0].legend()
-    axes[1].plot([r["concurrency"] for r in result["speedup"]], [r["speedup"] for r in result["speedup"]], marker="o")
-    axes[1].axhline(1.0, ls="--", color="grey", lw=0.8)
-    axes[1].set(xscale="log", xlabel="concurrent requests", ylabel="throughput spec / plain", title="speedup")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def cmd_vllm(args: argparse.Namespace) -> dict:
-    from data_prep.chat import render_prompt
-    from data_prep.targets import load_tokenizer, model_path, resolve_target
-    from eval.prompts import load_prompts
-
-    preset = resolve_target(args.target)
-    tokenizer = load_tokenizer(preset)
-    records = load_prompts("mtbench", limit=args.num_prompts)
-    prompts = [render_prompt(tokenizer, [{"role": "user", "content": r.turns[0]}]) for r in records]
-    model = model_path(preset)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    from eval.engine_check import check_export
-
-    method = check_export(args.drafter, preset, tokenizer)  # the family table's vLLM method; a foreign export stops
-    spec = {"method": method, "model": str(Path(args.drafter).resolve()), "num_speculative_tokens": args.k}
-    plain = serve_and_measure(args, model, prompts, None, out.with_suffix(".plain.log"))
-    speculative = serve_and_measure(args, model, prompts, spec, out.with_suffix(".spec.log"))
-    result = {
-        "target": preset.name, "drafter": args.drafter, "k": args.k, "dtype": args.dtype,
-        "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "definition": "tokens_per_s = output tokens of the whole batch / its wall seconds; speedup = spec / plain",
-        "plain": plain, "speculative": speculative,
-        "speedup": [{"concurrency": p["concurrency"], "speedup": s["tokens_per_s"] / p["tokens_per_s"]}
-                    for p, s in zip(plain, speculative)],
-    }
-    out.write_text(dumps(result, indent=1) + "\n")
-    plot_vllm(result, out.with_suffix(".png"))
-    print(dumps(result, indent=1))
-    return result
-
-
-# ---------------------------------------------------------------------------------------------------- cli
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from eval.config import DecodeConfig, EvalConfig
 
@@ -585,7 +484,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--context", type=int, default=256)
     s.add_argument("--repeats", type=int, default=5)
-    s.add_argument("--prompts", type=int, default=4, help="MT-bench prompts of the phase split (0 = skip)")
+    s.add_argument("--prompts", type=int, default=1, help="MT-bench prompts per category of the phase split (0 = skip)")
     s.add_argument("--max-new-tokens", type=int, default=96)
     s.add_argument("--budgets", default="fixed,adaptive", help="decode.budget of each speculative run")
     s.add_argument("--out", default=str(RESULTS / "decode_profile.json"))
@@ -600,7 +499,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--drafter", required=True, help="engine-format export dir")
     s.add_argument("--target", default="smollm2-135m-instruct")
     s.add_argument("--prompts", default="mtbench")
-    s.add_argument("--num-prompts", type=int, default=10)
+    s.add_argument("--num-prompts", type=int, default=2, help="per category (MT-bench: 8 categories)")
     s.add_argument("--max-new-tokens", type=int, default=128)
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--temperatures", default="0,1")
@@ -615,22 +514,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", default=str(RESULTS / "spec_decode_speed.json"))
 
-    s = sub.add_parser("vllm", help="vLLM's CPU build serving the export, plain vs EAGLE-3, by concurrency")
-    s.add_argument("--vllm-python", required=True)
-    s.add_argument("--drafter", required=True, help="an EAGLE-3 export (config.json + model.safetensors)")
-    s.add_argument("--target", default="smollm2-135m-instruct")
-    s.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
-    s.add_argument("--concurrency", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4, 16])
-    s.add_argument("--num-prompts", type=int, default=16)
-    s.add_argument("--max-new-tokens", type=int, default=128)
-    s.add_argument("--dtype", default="float32", help="vLLM's dtype (this CPU has no bf16 arithmetic)")
-    s.add_argument("--out", default=str(RESULTS / "vllm_serving.json"))
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    return {"profile": cmd_profile, "gemm": cmd_gemm, "speed": cmd_speed, "vllm": cmd_vllm}[args.cmd](args)
+    return {"profile": cmd_profile, "gemm": cmd_gemm, "speed": cmd_speed}[args.cmd](args)
 
 
 if __name__ == "__main__":

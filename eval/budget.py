@@ -234,3 +234,39 @@ class AdaptiveBudget:
             "tokens_per_s_measured": got_tokens / got_s if got_s > 0 else math.nan,
             "plain_tokens_per_s_predicted": 1.0 / self.verify(1),
         }
+
+
+@dataclass
+class CycleCost:
+    """What a speculative cycle costs, measured: target forwards of n tokens (with the verify's mask and taps) and
+    the decoder's time per cycle outside its verify forward (drafting, masks, acceptance, caches, bookkeeping)."""
+
+    forward_s: dict[int, float]  # n tokens -> median seconds, after a 128-token prefix
+    overhead_s: float  # per verify cycle, from the speculative records
+
+    @classmethod
+    def measure(cls, target: TargetRunner, sizes: list[int], records) -> CycleCost:
+        time_verify_forward(target, 1, 128, 1)  # first-call costs land here
+        forward = {n: time_verify_forward(target, n, 128, 3) for n in sorted({1, *sizes})}
+        cycles = sum(r.verify_forwards for r in records)
+        outside = sum(r.time_s - r.phase_s.get("prefill", 0.0) - r.phase_s.get("verify", 0.0) for r in records)
+        return cls(forward, outside / cycles if cycles else 0.0)
+
+    def predicted_speedup(self, tau: float | None, block: int, concurrency: int = 1,
+                          drafting: bool = True) -> float | None:
+        """τ tokens per cycle over the cycle's cost in plain steps, with c sequences in flight: τ · T(c) /
+        (T(c · block) + overhead · T(c) / T(1)), T(n) the measured forward of n tokens (one sequence of c · block
+        tokens standing for c sequences of block), our decoder's overhead the same number of plain steps at every
+        c; drafting=False leaves the overhead out (an engine's drafting is not ours: the verify cost alone)."""
+        if tau is None or tau != tau or concurrency not in self.forward_s or concurrency * block not in self.forward_s:
+            return None
+        t_c = self.forward_s[concurrency]
+        overhead = self.overhead_s * t_c / self.forward_s[1] if drafting else 0.0
+        return tau * t_c / (self.forward_s[concurrency * block] + overhead)
+
+    def to_dict(self) -> dict:
+        return {"forward_s": {str(n): s for n, s in self.forward_s.items()}, "overhead_s": self.overhead_s,
+                "definition": "speedup_predicted = τ · T(c) / (T(c · (m + 1)) + overhead · T(c) / T(1)); T(n) = "
+                              "median target forward of n tokens with the verify's mask and taps after a "
+                              "128-token prefix; overhead = our decoder's time per cycle outside its verify forward "
+                              "(left out for the engine under load: τ · T(c) / T(c · (m + 1)))"}

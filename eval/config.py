@@ -25,16 +25,35 @@ class DecodeConfig:
     top_k: int = 0
     sample_drafts: bool = False  # chain + T > 0: draw drafts from the drafter instead of its argmax
     max_new_tokens: int = 256
-    num_prompts: int = 0  # <= 0: all prompts
+    num_prompts: int = 0  # prompts per (suite, category); <= 0: all of them
     max_turns: int = 0  # <= 0: all turns of each record
     seed: int = 0
+
+
+@dataclass
+class EngineVLLMConfig:
+    """`engine=vllm`: vLLM's own server (`python -m vllm.entrypoints.openai.api_server`) serving the target with the
+    export, the same prompts sent to it (eval/engine.py)."""
+
+    python: str | None = None  # the python of a vLLM install (its own venv); None: this one, if it imports vllm
+    engine_kwargs: dict = field(default_factory=dict)  # more `vllm serve` flags, e.g. {max_num_seqs: 64}
+    max_model_len: int = 2048
+    timeout_s: float = 1200.0  # server start-up and every request
+    # requests in flight of the load sweep (tokens/s, time to first token, inter-token latency, with and without
+    # the drafter); [] skips it. Each level sends max(load_min_requests, load_rounds x concurrency) first turns.
+    concurrency: list[int] = field(default_factory=list)
+    load_rounds: int = 2
+    load_min_requests: int = 8
+    # draft-settings sweep: vLLM's num_speculative_tokens values served one after the other, each over every
+    # category (decode.depth is always served); the best per category by tokens/s, no drafter (0) included
+    num_speculative_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
 class EvalConfig:
     drafter: str = MISSING  # engine-format export dir (config.json + model.safetensors)
     target: str = "smollm2-135m-instruct"  # preset | hub id | local HF dir (data_prep.targets.resolve_target)
-    prompts: str = "mtbench"  # preset | JSONL with `turns` or `prompt` per record
+    prompts: str = "mtbench"  # a suite | suite,suite,... | all | a JSONL file (eval/prompts.py)
     out_dir: str = MISSING
     dtype: str | None = None  # target/drafter dtype; None: the preset's
     # The chat template (a file, or the Jinja text itself) replacing the tokenizer's own; base models ship none.
@@ -47,6 +66,8 @@ class EvalConfig:
     warmup: bool = True  # one short untimed generate per method first
     plots: bool = True
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    engine: str = "none"  # none | vllm: the same prompts through vLLM's server too, its acceptance beside ours
+    vllm: EngineVLLMConfig = field(default_factory=EngineVLLMConfig)
 
     def validate(self) -> None:
         d = self.decode
@@ -64,6 +85,17 @@ class EvalConfig:
             raise ValueError("decode.sample_drafts applies to chain mode only (tree drafts are top-k)")
         if d.auto_total_tokens and (not d.total_tokens_candidates or min(d.total_tokens_candidates) < 1):
             raise ValueError("decode.total_tokens_candidates must be positive sizes")
+        if self.engine not in ("none", "vllm"):
+            raise ValueError(f"engine must be none|vllm, got {self.engine!r}")
+        v = self.vllm
+        if self.engine == "vllm" and (d.mode != "chain" or d.budget != "fixed"):
+            raise ValueError("engine=vllm compares vLLM's EAGLE chain of decode.depth drafts with ours: it needs "
+                             "decode.mode=chain and decode.budget=fixed")
+        if (v.concurrency or v.num_speculative_tokens) and self.engine != "vllm":
+            raise ValueError("vllm.concurrency / vllm.num_speculative_tokens are sweeps through the engine: set "
+                             "engine=vllm")
+        if min([*v.concurrency, 1]) < 1 or min([*v.num_speculative_tokens, 1]) < 1 or v.load_rounds < 1:
+            raise ValueError("vllm.concurrency, vllm.num_speculative_tokens and vllm.load_rounds must be >= 1")
         if d.mode == "chain" and (d.auto_total_tokens or d.total_tokens != DecodeConfig.total_tokens):
             import warnings
 

@@ -14,7 +14,16 @@ from pathlib import Path
 import torch
 
 from eval import metrics
-from eval.budget import AdaptiveBudget, VerifyCost, choose_total_tokens
+from eval.budget import AdaptiveBudget, CycleCost, VerifyCost, choose_total_tokens
+from eval.categories import (
+    CI_DEFINITION,
+    bootstrap_tau_ci,
+    category_entries,
+    groups,
+    prompt_counts,
+    report_markdown,
+    suite_entries,
+)
 from eval.config import EvalConfig
 from eval.prompts import load_prompts, render
 from eval.sampling import SamplingParams
@@ -25,6 +34,7 @@ from models.export import CONFIG_FILE
 from models.registry import DrafterFamily, family, family_of_drafter
 
 REPORT_FILE = "report.json"
+CATEGORIES_FILE = "categories.md"
 
 
 def stop_token_ids(model, tokenizer, template_kwargs: dict | None = None) -> tuple[int, ...]:
@@ -104,13 +114,18 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
         torch.set_num_threads(cfg.threads)
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     # the prompts first: a bad prompts file stops before the target is loaded
-    records_in = load_prompts(cfg.prompts, limit=d.num_prompts if d.num_prompts > 0 else None,
+    records_in = load_prompts(cfg.prompts, per_category=d.num_prompts if d.num_prompts > 0 else None,
                               max_turns=d.max_turns if d.max_turns > 0 else None)
     preset = resolve_target(cfg.target)
     model, tokenizer = load_target(preset, dtype=cfg.dtype, device=device, chat_template=cfg.chat_template)
     drafter = load_drafter(cfg.drafter, model, device, next(model.parameters()).dtype, tokenizer, preset.name)
+    session = None
+    if cfg.engine == "vllm":  # before decoding: the engine's python, the export as vLLM loads it, the lengths
+        session = engine_session(cfg, preset, tokenizer, model)
     runner = TargetRunner(model, drafter.tap_layers)
     template_kwargs = {} if preset.enable_thinking is None else {"enable_thinking": preset.enable_thinking}
+    if session is not None:
+        check_engine_lengths(records_in, tokenizer, template_kwargs, d.max_new_tokens, cfg.vllm.max_model_len)
     eos = stop_token_ids(model, tokenizer, template_kwargs)
     params = SamplingParams(d.temperature, d.top_p, d.top_k)
 
@@ -128,7 +143,18 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
                                                          template_kwargs, params, eos, progress)
     summary = metrics.summarize(spec_recs, decoder.depth)
     # a drafter over the target's whole vocabulary (no draft vocabulary: models/registry.py) never misses a token
-    summary["oov_rate"] = metrics.oov_rate(spec_recs, drafter.t2d) if family_of_drafter(drafter).draft_vocab else 0.0
+    t2d = drafter.t2d if family_of_drafter(drafter).draft_vocab else None
+    summary["oov_rate"] = metrics.oov_rate(spec_recs, t2d) if t2d is not None else 0.0
+    by_prompt: dict = {}
+    for sample, rec in zip(samples, spec_recs):
+        by_prompt.setdefault((sample["suite"], sample["id"]), []).append(rec)
+    summary["tau_ci95"] = bootstrap_tau_ci([prompt_counts(recs) for recs in by_prompt.values()])
+    entries = category_entries(samples, spec_recs, base_recs, t2d, decoder.depth)
+    block = (total_tokens if d.mode == "tree" else decoder.strategy.depth) + 1  # tokens a verify forward takes
+    cost = CycleCost.measure(runner, [block, *[c * x for c in cfg.vllm.concurrency for x in (1, d.depth + 1)]],
+                             spec_recs)
+    for e in entries:
+        e["speedup_predicted"] = cost.predicted_speedup(e["tau"], block)
     spec_rate = _rate(spec_recs)
     base_rate = _rate(base_recs) if base_recs else float("nan")
     report = {
@@ -146,15 +172,102 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
         # what the drafter really did: a DFlash drafter drafts its block (block_size) whatever decode.depth says
         "drafting": decoder.strategy.describe(),
         "tau_definition": "(accepted drafts + 1 bonus) per verify forward; prefill and budget cut excluded",
+        "tau_ci95_definition": CI_DEFINITION,
         "oov_rate_definition": "share of emitted tokens outside the draft vocabulary (never proposable)",
         **summary,
         "tokens_per_s": {"speculative": spec_rate, "baseline": base_rate},
         "speedup": spec_rate / base_rate if base_recs else None,
+        "speedup_predicted": cost.predicted_speedup(summary["tau_pooled"], block),
+        "cycle_cost": {**cost.to_dict(), "verified_tokens": block},
+        "suites": suite_entries(samples, spec_recs, decoder.depth),
+        "categories": entries,
     }
     add_comparisons(report, cfg, budget, spec_recs, base_recs, peer, params, base_rate)
+    if session is not None:
+        add_engine(report, session, samples, d, eos, cost, progress)
     report["samples"] = samples
     write_report(report, Path(cfg.out_dir), cfg.plots)
     return report
+
+
+def engine_session(cfg: EvalConfig, preset, tokenizer, model):
+    """vLLM's python resolved and the export checked as vLLM will load it, before any decoding (eval/engine.py)."""
+    from data_prep.targets import model_path
+    from eval.engine import EngineSession, check_export
+
+    method = check_export(cfg.drafter, preset, tokenizer)
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    return EngineSession(cfg.vllm, model_path(preset), dtype, cfg.drafter, method, Path(cfg.out_dir) / "engine")
+
+
+def check_engine_lengths(records, tokenizer, template_kwargs: dict, max_new_tokens: int, max_model_len: int) -> None:
+    """A prompt whose last turn cannot fit the engine's context (its turns, and max_new_tokens for each answer)
+    stops the evaluation before anything is decoded, naming it, rather than failing in the engine afterwards."""
+    for r in records:
+        last = len(r.turns) - 1
+        need = len(render(tokenizer, r.messages(last, [""] * last), template_kwargs)) + max_new_tokens * len(r.turns)
+        if need > max_model_len:
+            raise ValueError(f"prompt {r.suite}/{r.id} ({r.category}) needs up to {need} tokens with its answers, more "
+                             f"than vllm.max_model_len={max_model_len}: raise it or lower decode.max_new_tokens")
+
+
+def add_engine(report: dict, session, samples: list[dict], d, eos, cost: CycleCost, progress: bool) -> None:
+    """The same turns through vLLM (eval/engine.py): each category's `engine` entry beside ours, the pooled engine
+    figures, the draft-settings sweep and the load sweep."""
+    from eval import engine
+    from eval.categories import tau_outside_interval
+
+    g = groups(samples)
+    turns = {key: [samples[i]["prompt_token_ids"] for i in idx] for key, idx in g.items()}
+    first = [s["prompt_token_ids"] for s in samples if s["turn"] == 0]
+    body = {"max_tokens": d.max_new_tokens, "temperature": d.temperature, "top_p": d.top_p,
+            "stop_token_ids": list(eos), "skip_special_tokens": False}
+    if d.top_k > 0:
+        body["top_k"] = d.top_k
+    if d.temperature > 0:
+        body["seed"] = d.seed
+    k = d.depth
+    res = engine.evaluate(session, turns, first, body, k, progress)
+    stops = set(eos)
+
+    def same(a: list[list[int]], b: list[list[int]]) -> dict:
+        trim = [[x[:-1] if x and x[-1] in stops else x for x in side] for side in (a, b)]  # a stop id or not
+        return {"count": sum(x == y for x, y in zip(*trim)), "of": len(a)}
+
+    drafts = accepted = 0
+    for e in report["categories"]:
+        key = (e["suite"], e["category"])
+        spec, plain = res["categories"][k][key], res["categories"][0][key]
+        drafts, accepted = drafts + spec["drafts"], accepted + spec["accepted"]
+        settings = {str(kk): {"tau": r[key].get("tau"), "tokens_per_s": r[key]["tokens_per_s"]}
+                    for kk, r in res["categories"].items()}
+        e["engine"] = {
+            "tau": spec["tau"], "alpha": spec["alpha"], "drafts": spec["drafts"],
+            "tokens_per_s": {"speculative": spec["tokens_per_s"], "baseline": plain["tokens_per_s"]},
+            "speedup": (spec["tokens_per_s"] / plain["tokens_per_s"]
+                        if spec["tokens_per_s"] and plain["tokens_per_s"] else None),
+            "identical_to_plain": same(spec["outputs"], plain["outputs"]),
+            "identical_to_ours": same(spec["outputs"], [samples[i]["output_token_ids"] for i in g[key]]),
+            "settings": settings,
+            "best_num_speculative_tokens": int(max(settings, key=lambda x: settings[x]["tokens_per_s"] or 0.0)),
+        }
+        e["engine"]["tau_outside_ci"] = tau_outside_interval(e)
+    load = []
+    for plain, spec in zip(res["load"].get(0, []), res["load"].get(k, [])):
+        load.append({"concurrency": plain["concurrency"], "plain": plain, "speculative": spec,
+                     "speedup": spec["output_tokens_per_s"] / plain["output_tokens_per_s"],
+                     "speedup_predicted": cost.predicted_speedup(spec["tau"], k + 1, plain["concurrency"],
+                                                                   drafting=False)})
+    report["engine"] = {
+        "name": "vllm", "method": session.method, "num_speculative_tokens": k, "python": session.python,
+        "tau": 1 + accepted / drafts if drafts else None,
+        "num_speculative_tokens_swept": [int(x) for x in res["categories"]],
+        "load": load,
+        "definition": "τ = 1 + accepted / drafts from vLLM's spec_decode counters; α_n conditional as ours; tokens/s "
+                      "= output tokens / the requests' wall time, one request at a time (load: c in flight, "
+                      "ignore_eos, tokens / the level's wall time); identical: token ids equal, a final stop id "
+                      "aside",
+    }
 
 
 def build_decoder(d, runner, drafter, progress: bool):
@@ -196,7 +309,8 @@ def decode_prompts(cfg: EvalConfig, records_in, decoder, runner, model, tokenize
             spec = decoder.generate(ids, d.max_new_tokens, params, eos, torch.Generator().manual_seed(seed))
             spec_recs.append(spec)
             text = tokenizer.decode(spec.output_ids, skip_special_tokens=True)
-            sample = {"id": rec.id, "turn": turn_idx, "prompt_token_ids": ids, "output_token_ids": spec.output_ids,
+            sample = {"id": rec.id, "suite": rec.suite, "category": rec.category or "all", "turn": turn_idx,
+                      "prompt_token_ids": ids, "output_token_ids": spec.output_ids,
                       "output_text": text, "tau": metrics.tau_of(spec.accept_lengths)}
             if cfg.baseline:
                 base = plain_generate(runner, ids, d.max_new_tokens, params, eos, torch.Generator().manual_seed(seed))
@@ -252,8 +366,13 @@ def write_report(report: dict, out_dir: Path, plots: bool = True) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / REPORT_FILE
     path.write_text(dumps(report, indent=1))
+    if "categories" in report:
+        (out_dir / CATEGORIES_FILE).write_text(report_markdown(report))
     if plots:
-        from eval.plots import plot_accept_histogram, plot_per_position
+        from eval.plots import plot_accept_histogram, plot_categories, plot_per_position
+
+        if "categories" in report:
+            plot_categories(report, out_dir / "categories.png")
 
         label = _drafting_label(report)
         plot_per_position(report["per_position_acceptance"], out_dir / "per_position_acceptance.png", label)
@@ -313,4 +432,6 @@ def format_summary(report: dict) -> str:
         p = report["prompt_lookup"]
         lines.append(f"prompt lookup (HF): {p['tokens_per_s']:.1f} tok/s, speedup {p['speedup']}, "
                      f"vs HF plain generate {p['speedup_vs_hf_generate_plain']:.3f}")
+    if "categories" in report:
+        lines += ["", report_markdown(report)]
     return "\n".join(lines)

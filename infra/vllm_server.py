@@ -1,5 +1,5 @@
 """vLLM's own OpenAI-compatible server, started, checked and stopped: the one home of the project's vLLM plumbing
-(prep's servers, data_prep/vllm_client.py; eval's engine check, eval/engine_check.py; the benches).
+(prep's servers, data_prep/vllm_client.py; eval's engine evaluation, eval/engine.py; the benches).
 
 vLLM lives in its own virtual environment (it pins its own torch), so a server is `<vllm python> -m
 vllm.entrypoints.openai.api_server ...` (what `vllm serve` runs), never imported here.
@@ -291,12 +291,32 @@ def http_get(url: str, timeout_s: float = 5.0, key: str | None = None) -> str:
 def post_json(url: str, body: dict, *, timeout_s: float, key: str | None = None, where: str | None = None) -> dict:
     """POST `body` as JSON and return the JSON answer; VLLMServerError naming `where` (default: the URL) when the
     server refuses it (its own message), cannot be reached, or does not answer within `timeout_s`."""
+    with _answer(url, body, timeout_s, key, where) as r:
+        return json.loads(r.read().decode())
+
+
+def post_stream(url: str, body: dict, *, timeout_s: float, key: str | None = None,
+                where: str | None = None) -> Iterator[tuple[float, dict]]:
+    """POST `body` (with "stream": true) and yield (time.perf_counter() at arrival, event) for each server-sent
+    event of the answer until its `[DONE]`; errors as `post_json`'s."""
+    with _answer(url, {**body, "stream": True}, timeout_s, key, where) as r:
+        for line in r:
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return
+            yield time.perf_counter(), json.loads(data)
+
+
+@contextmanager
+def _answer(url: str, body: dict, timeout_s: float, key: str | None, where: str | None) -> Iterator:
     where = where or url
     headers = {"Content-Type": "application/json", **_auth(key)}
     req = urllib.request.Request(url, dumps(body).encode(), headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return json.loads(r.read().decode())
+            yield r
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")[:500]
         raise VLLMServerError(f"{where} refused a request with HTTP {e.code}: {detail}") from None
