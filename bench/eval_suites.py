@@ -25,13 +25,14 @@ RESULTS = ROOT / "bench" / "results"
 
 def portable(value, work: Path):
     """The report with this machine's paths made relative: the checkout's to the checkout, the work dir's to <work>,
-    so a committed result names no machine path."""
+    the user's cache (where the embedded target unpacks) to <cache>, so a committed result names no machine path."""
     if isinstance(value, dict):
         return {k: portable(v, work) for k, v in value.items()}
     if isinstance(value, list):
         return [portable(v, work) for v in value]
     if isinstance(value, str):
-        return value.replace(f"{work.resolve()}/", "<work>/").replace(f"{ROOT}/", "")
+        return (value.replace(f"{work.resolve()}/", "<work>/").replace(f"{ROOT}/", "")
+                .replace(f"{Path.home() / '.cache'}/", "<cache>/"))
     return value
 
 
