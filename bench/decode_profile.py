@@ -383,11 +383,9 @@ def peer_rows(report: dict, temperature: float) -> list[dict]:
 
 
 def plot_speed(rows: list[dict], path: Path) -> None:
-    import matplotlib
+    from eval.plots import draw_alpha_lines, pyplot
 
-    matplotlib.use("Agg")  # files only; no display on servers
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     temps = sorted({r["temperature"] for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
     by = {(r["temperature"], r["method"]): r for r in rows}
@@ -407,18 +405,9 @@ def plot_speed(rows: list[dict], path: Path) -> None:
     ax.set_title("decoding speed per method")
     ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # headroom: the legend sits above the bars
     ax.legend(fontsize=7, ncol=3, loc="upper center")
-    depth = max((len(r.get("per_position_acceptance") or []) for r in rows), default=0)
-    for r in rows:
-        alphas = r.get("per_position_acceptance")
-        if alphas:
-            ax2.plot(range(len(alphas)), [a if a is not None else float("nan") for a in alphas], marker="o",
-                     label=f"{r['method']} T={r['temperature']:g} (τ={r['tau_pooled']:.2f})")
-    ax2.set_xticks(range(depth))
-    ax2.set_xlabel("draft depth n")
-    ax2.set_ylabel("α_n = P(accept | all before accepted)")
-    ax2.set_ylim(0, 1.05)
-    ax2.set_title("per-position acceptance")
-    ax2.legend(fontsize=7)
+    draw_alpha_lines(ax2, [(f"{r['method']} T={r['temperature']:g} (τ={r['tau_pooled']:.2f})",
+                            r["per_position_acceptance"], None) for r in rows if r.get("per_position_acceptance")],
+                     "per-position acceptance")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -40,17 +40,25 @@ def prompt_counts(records: Sequence[GenerationRecord]) -> tuple[int, int]:
     return sum(steps) + len(steps), len(steps)
 
 
-def _rate(records: Sequence[GenerationRecord]) -> float | None:
-    seconds = sum(r.time_s for r in records)
-    return sum(len(r.output_ids) for r in records) / seconds if records and seconds > 0 else None
-
-
 def groups(samples: Sequence[dict]) -> dict[tuple[str, str], list[int]]:
     """(suite, category) -> the indices of its turns in `samples`, in first-seen order."""
     out: dict[tuple[str, str], list[int]] = {}
     for i, s in enumerate(samples):
         out.setdefault((s["suite"], s["category"]), []).append(i)
     return out
+
+
+def acceptance_of(samples: Sequence[dict], spec: Sequence[GenerationRecord], idx: Sequence[int], depth: int) -> dict:
+    """Prompts, turns, pooled τ with its interval over the prompts (a prompt's turns together) and α per position of
+    the turns `idx` (samples[i] <-> spec[i])."""
+    by_prompt: dict[tuple[str, str], list[GenerationRecord]] = {}
+    for i in idx:
+        by_prompt.setdefault((samples[i]["suite"], samples[i]["id"]), []).append(spec[i])
+    recs = [spec[i] for i in idx]
+    alpha = metrics.per_position_acceptance(recs)
+    return {"prompts": len(by_prompt), "turns": len(idx), "tau": metrics.tau_pooled(recs),
+            "tau_ci95": bootstrap_tau_ci([prompt_counts(r) for r in by_prompt.values()]),
+            "alpha": alpha + [None] * (depth - len(alpha))}
 
 
 def category_entries(samples: Sequence[dict], spec: Sequence[GenerationRecord], base: Sequence[GenerationRecord],
@@ -60,26 +68,18 @@ def category_entries(samples: Sequence[dict], spec: Sequence[GenerationRecord], 
     entries = []
     for (suite, category), idx in groups(samples).items():
         recs = [spec[i] for i in idx]
-        by_prompt: dict[str, list[GenerationRecord]] = {}
-        for i in idx:
-            by_prompt.setdefault(samples[i]["id"], []).append(spec[i])
         plain = [base[i] for i in idx] if base else []
-        spec_rate, base_rate = _rate(recs), _rate(plain)
-        alpha = metrics.per_position_acceptance(recs)
+        spec_rate, base_rate = metrics.tokens_per_s(recs), metrics.tokens_per_s(plain)
         entries.append({
             "suite": suite,
             "category": category,
-            "prompts": len(by_prompt),
-            "turns": len(idx),
-            "tau": metrics.tau_pooled(recs),
-            "tau_ci95": bootstrap_tau_ci([prompt_counts(r) for r in by_prompt.values()]),
-            "alpha": alpha + [None] * (depth - len(alpha)),
+            **acceptance_of(samples, spec, idx, depth),
             "identical": ({"count": sum(s.output_ids == b.output_ids for s, b in zip(recs, plain)), "of": len(plain)}
                           if plain else None),
             "oov_rate": metrics.oov_rate(recs, t2d) if t2d is not None else 0.0,
             "new_tokens": sum(len(r.output_ids) for r in recs),
             "tokens_per_s": {"speculative": spec_rate, "baseline": base_rate},
-            "speedup": spec_rate / base_rate if spec_rate and base_rate else None,
+            "speedup": spec_rate / base_rate if plain and base_rate else None,
         })
     return entries
 
@@ -88,15 +88,7 @@ def suite_entries(samples: Sequence[dict], spec: Sequence[GenerationRecord], dep
     """Per suite, pooled over its categories: turns, τ with its interval over the suite's prompts, α per position."""
     out: dict[str, dict] = {}
     for suite in dict.fromkeys(s["suite"] for s in samples):
-        idx = [i for i, s in enumerate(samples) if s["suite"] == suite]
-        by_prompt: dict[str, list[GenerationRecord]] = {}
-        for i in idx:
-            by_prompt.setdefault(samples[i]["id"], []).append(spec[i])
-        recs = [spec[i] for i in idx]
-        alpha = metrics.per_position_acceptance(recs)
-        out[suite] = {"prompts": len(by_prompt), "turns": len(idx), "tau": metrics.tau_pooled(recs),
-                      "tau_ci95": bootstrap_tau_ci([prompt_counts(r) for r in by_prompt.values()]),
-                      "alpha": alpha + [None] * (depth - len(alpha))}
+        out[suite] = acceptance_of(samples, spec, [i for i, s in enumerate(samples) if s["suite"] == suite], depth)
     return out
 
 

@@ -31,7 +31,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from infra.strict_json import dumps
-from infra.vllm_server import API_KEY_ENV, http_get, post_json, post_stream, resolve_python, vllm_server
+from infra.vllm_server import (
+    API_KEY_ENV,
+    cli_args,
+    http_get,
+    post_json,
+    post_stream,
+    resolve_python,
+    vllm_server,
+)
 
 NO_PREFIX_CACHE = "--no-enable-prefix-caching"
 
@@ -99,8 +107,6 @@ class EngineSession:
 
     @contextmanager
     def serve(self, k: int) -> Iterator[str]:
-        from infra.vllm_server import cli_args
-
         extra = [NO_PREFIX_CACHE, *cli_args(self.vcfg.engine_kwargs)]
         if k:
             extra += ["--speculative-config", dumps({"method": self.method, "model": self.drafter,

@@ -90,3 +90,9 @@ def oov_rate(records: Sequence[GenerationRecord], t2d: torch.Tensor) -> float:
     if not ids:
         return float("nan")
     return float((~t2d.cpu()[torch.tensor(ids, dtype=torch.long)]).double().mean())
+
+
+def tokens_per_s(records: Sequence[GenerationRecord]) -> float:
+    """Output tokens / the records' summed wall seconds; NaN (null in a report) without a measured second."""
+    seconds = sum(r.time_s for r in records)
+    return sum(len(r.output_ids) for r in records) / seconds if seconds > 0 else float("nan")

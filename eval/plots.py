@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display on servers
@@ -15,7 +15,7 @@ def _pyplot():
 
 
 def plot_per_position(alphas: list[float | None], path: Path, title: str = "") -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     xs = list(range(len(alphas)))
     ax.bar(xs, [a if a is not None else 0.0 for a in alphas], color="tab:blue")
@@ -32,8 +32,21 @@ def plot_per_position(alphas: list[float | None], path: Path, title: str = "") -
     return path
 
 
+def draw_alpha_lines(ax, series: list[tuple[str, list[float | None], str | None]], title: str) -> None:
+    """α per draft depth, one line per (label, alphas, color or None) on `ax`: a depth never reached is a gap."""
+    for label, alphas, color in series:
+        ax.plot(range(len(alphas)), [a if a is not None else float("nan") for a in alphas], "o-", color=color,
+                label=label)
+    ax.set_xticks(range(max((len(a) for _, a, _ in series), default=0)))
+    ax.set_xlabel("draft depth n")
+    ax.set_ylabel("α_n = P(accept | all before accepted)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+
+
 def plot_accept_histogram(counts: list[int], path: Path, title: str = "") -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     total = max(sum(counts), 1)
     xs = list(range(len(counts)))
@@ -51,7 +64,7 @@ def plot_accept_histogram(counts: list[int], path: Path, title: str = "") -> Pat
 def plot_categories(report: dict, path: Path) -> Path:
     """τ per (suite, category) with its 95% interval (and the engine's τ where it ran), and α per position per
     suite."""
-    plt = _pyplot()
+    plt = pyplot()
     entries, suites = report["categories"], report["suites"]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [2, 1]})
     xs = list(range(len(entries)))
@@ -69,15 +82,8 @@ def plot_categories(report: dict, path: Path) -> Path:
     ax.set_ylabel("τ (tokens per verify forward)")
     ax.set_ylim(1.0, max([*[t + h for t, h in zip(taus, hi)], 1.5]) * 1.05)
     ax.set_title("τ per category, 95% bootstrap interval over prompts")
-    for suite, s in suites.items():
-        alpha = s["alpha"]
-        bx.plot(range(len(alpha)), [a if a is not None else float("nan") for a in alpha], "o-", color=colors[suite],
-                label=f"{suite} (τ {s['tau']:.2f})")
-    bx.set_xlabel("draft position n")
-    bx.set_ylabel("α_n")
-    bx.set_ylim(0, 1.02)
-    bx.set_title("α per position per suite")
-    bx.legend(fontsize=8)
+    draw_alpha_lines(bx, [(f"{suite} (τ {s['tau']:.2f})", s["alpha"], colors[suite]) for suite, s in suites.items()],
+                     "α per position per suite")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

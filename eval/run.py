@@ -17,10 +17,9 @@ from eval import metrics
 from eval.budget import AdaptiveBudget, CycleCost, VerifyCost, choose_total_tokens
 from eval.categories import (
     CI_DEFINITION,
-    bootstrap_tau_ci,
+    acceptance_of,
     category_entries,
     groups,
-    prompt_counts,
     report_markdown,
     suite_entries,
 )
@@ -100,11 +99,6 @@ def load_drafter(export_dir: str, target_model, device: str, dtype: torch.dtype,
     return drafter
 
 
-def _rate(records: list[GenerationRecord]) -> float:
-    seconds = sum(r.time_s for r in records)
-    return sum(len(r.output_ids) for r in records) / seconds if seconds > 0 else float("nan")
-
-
 def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     from data_prep.targets import load_target, model_path, resolve_target
 
@@ -145,18 +139,15 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     # a drafter over the target's whole vocabulary (no draft vocabulary: models/registry.py) never misses a token
     t2d = drafter.t2d if family_of_drafter(drafter).draft_vocab else None
     summary["oov_rate"] = metrics.oov_rate(spec_recs, t2d) if t2d is not None else 0.0
-    by_prompt: dict = {}
-    for sample, rec in zip(samples, spec_recs):
-        by_prompt.setdefault((sample["suite"], sample["id"]), []).append(rec)
-    summary["tau_ci95"] = bootstrap_tau_ci([prompt_counts(recs) for recs in by_prompt.values()])
+    summary["tau_ci95"] = acceptance_of(samples, spec_recs, range(len(samples)), decoder.depth)["tau_ci95"]
     entries = category_entries(samples, spec_recs, base_recs, t2d, decoder.depth)
     block = (total_tokens if d.mode == "tree" else decoder.strategy.depth) + 1  # tokens a verify forward takes
     cost = CycleCost.measure(runner, [block, *[c * x for c in cfg.vllm.concurrency for x in (1, d.depth + 1)]],
                              spec_recs)
     for e in entries:
         e["speedup_predicted"] = cost.predicted_speedup(e["tau"], block)
-    spec_rate = _rate(spec_recs)
-    base_rate = _rate(base_recs) if base_recs else float("nan")
+    spec_rate = metrics.tokens_per_s(spec_recs)
+    base_rate = metrics.tokens_per_s(base_recs)
     report = {
         "target": preset.name,
         "target_path": model_path(preset),
