@@ -61,7 +61,6 @@ import atexit
 import json
 import math
 import os
-import resource
 import shutil
 import sys
 import tempfile
@@ -87,6 +86,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the specforge venv has no editable install of this repo
     sys.path.insert(0, str(ROOT))
 
+from infra.processes import peak_rss_mb  # noqa: E402
 from infra.strict_json import dumps  # noqa: E402
 from train.config import RunConfig  # noqa: E402
 
@@ -140,10 +140,6 @@ def tap_choice(cfg: RunConfig, prep: Path, shard_taps: list[int]) -> tuple[list[
     if len(wanted) != 3:
         raise SystemExit(f"peer_specforge: SpecForge's fc takes exactly 3 taps, the recipe reads {wanted}")
     return wanted, tap_columns(shard_taps, wanted)
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def _jsonl(path: Path, record: dict) -> None:
@@ -485,7 +481,7 @@ def cmd_train(args: argparse.Namespace) -> None:
             rec = {"kind": "train", "step": step, "loss": loss_sum, "ploss_k": ploss.tolist(),
                    "acc_k": (correct / denom.clamp_min(1)).tolist(), "lr": lr, "grad_norm": grad_norm,
                    "step_s": round(step_s, 3), "wall_s": round(wall, 3), "tokens": tokens, "padded_len": T_pad,
-                   "micro_batches": n_micro, "epoch": epoch, "peak_rss_mb": round(_peak_rss_mb(), 1)}
+                   "micro_batches": n_micro, "epoch": epoch, "peak_rss_mb": round(peak_rss_mb(), 1)}
             _jsonl(out / TRAIN_LOG, rec)
             print(dumps({k: rec[k] for k in ("step", "loss", "lr", "grad_norm", "step_s", "tokens")}), flush=True)
             if not math.isfinite(loss_sum):
@@ -572,7 +568,7 @@ def cmd_step(args: argparse.Namespace) -> dict:
         if i >= args.warmup:
             times.append(time.perf_counter() - tic)
     out = {"seq_len": T, "geometry": args.geometry, "step_s": round(statistics.median(times), 4),
-           "step_s_all": [round(x, 4) for x in times], "peak_rss_mb": round(_peak_rss_mb(), 1),
+           "step_s_all": [round(x, 4) for x in times], "peak_rss_mb": round(peak_rss_mb(), 1),
            "loss": round(losses[args.warmup], 5), "losses": [round(x, 5) for x in losses],
            "build_s": round(build_s, 2), "ttt_steps": args.ttt_steps, "dtype": args.dtype, "compile": args.compile,
            "attn": "sdpa", "threads": torch.get_num_threads(), "torch": torch.__version__,

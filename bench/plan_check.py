@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -40,15 +39,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from infra.processes import peak_rss_mb  # noqa: E402
 from infra.strict_json import dumps  # noqa: E402
 
 TARGET = "smollm2-135m-instruct"
 VD, K, CHUNK, WARMUP_TOKENS = 32000, 7, 1024, 256
 LONG_CONTEXT_FILE = ROOT / "bench" / "results" / "long_context_embedded.json"
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
 
 # ------------------------------------------------------------------------------------------- workers
@@ -69,7 +65,7 @@ def runtime_worker(kind: str) -> dict:
 
         from models.attention import resolve_backend  # noqa: F401
         from train.ttt import TTTSettings, ttt_loss  # noqa: F401
-    return {"kind": kind, "runtime_mb": round(_peak_rss_mb(), 1)}
+    return {"kind": kind, "runtime_mb": round(peak_rss_mb(), 1)}
 
 
 def step_worker(tokens: int, source: str) -> dict:
@@ -82,7 +78,7 @@ def step_worker(tokens: int, source: str) -> dict:
 
     torch.set_num_threads(1)
     rank, world = init_distributed("gloo")
-    runtime = _peak_rss_mb()
+    runtime = peak_rss_mb()
     args = train_step.parse_args(["synthetic", "--geometry", "embedded", "--dtype", "fp32", "--device", "cpu",
                                   "--ttt-steps", str(K), "--chunk-size", str(CHUNK), "--checkpoint-layer"])
     torch.manual_seed(rank)
@@ -99,7 +95,7 @@ def step_worker(tokens: int, source: str) -> dict:
     engine = Engine(DeepSpeedConfig(zero_stage=3, precision="fp32", dist_backend="gloo"),
                     TrainConfig(ttt_steps=K, chunk_size=CHUNK, checkpoint_layer=True), total_steps=2)
     module = engine.prepare(drafter, keep_gathered=("norm", "lm_head"))
-    static = _peak_rss_mb()
+    static = peak_rss_mb()
 
     def step(n: int) -> float:
         b = dataclasses.replace(batch, input_ids=batch.input_ids[:, :n], loss_mask=batch.loss_mask[:, :n],
@@ -117,11 +113,11 @@ def step_worker(tokens: int, source: str) -> dict:
         return float(loss.detach())
 
     step(min(WARMUP_TOKENS, tokens))
-    warm = _peak_rss_mb()
+    warm = peak_rss_mb()
     t0 = time.perf_counter()
     loss = step(tokens)
     return {"rank": rank, "world_size": world, "tokens": tokens, "source": source, "runtime_mb": round(runtime, 1),
-            "static_mb": round(static, 1), "after_warmup_mb": round(warm, 1), "peak_rss_mb": round(_peak_rss_mb(), 1),
+            "static_mb": round(static, 1), "after_warmup_mb": round(warm, 1), "peak_rss_mb": round(peak_rss_mb(), 1),
             "step_s": round(time.perf_counter() - t0, 1), "loss": round(loss, 4)}
 
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shlex
 import statistics
 import subprocess
@@ -50,6 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from infra.processes import peak_rss_mb
 from infra.strict_json import dumps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,10 +74,6 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
 
 # ----------------------------------------------------------------------------------------------- synthetic
@@ -192,7 +188,7 @@ def worker(args: argparse.Namespace) -> dict:
     losses, times = [], []
     for i in range(args.warmup + args.repeats):
         if i == args.warmup:  # memory before the timed steps: weights, data (and the optimizer state after warmup)
-            base = torch.cuda.memory_allocated() / 2**20 if cuda else _peak_rss_mb()
+            base = torch.cuda.memory_allocated() / 2**20 if cuda else peak_rss_mb()
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
         if cuda:
@@ -203,7 +199,7 @@ def worker(args: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - tic)
-    peak_rss = _peak_rss_mb()
+    peak_rss = peak_rss_mb()
     out = {
         "side": "ours", "seq_len": seq_len, "geometry": args.geometry, "engine": args.engine,
         "step_s": round(statistics.median(times), 4), "step_s_all": [round(x, 4) for x in times],

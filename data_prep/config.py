@@ -71,13 +71,18 @@ class VLLMConfig:
     # any other engine argument of the servers prep starts, as `vllm serve` takes it (enforce_eager: true ->
     # --enforce-eager; gpu_memory_utilization: 0.9; distributed_executor_backend: ray)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    # Servers already running (http://host:port), started with the command docs/scaling.md gives: prep starts
-    # none, and its ranks split these (rank r takes urls[r::world], or urls[r % len] when there are fewer).
+    # Servers already running, started with the command docs/scaling.md gives: prep starts none. Each entry is
+    # http(s)://host:port (the server of the node whose name or address `host` is) or node=http(s)://host:port (the
+    # server of node `node`, as its hostname or SLURM names it); a rank uses its own node's servers (node-local
+    # scratch), the node's ranks splitting them (data_prep/vllm_client.py node_urls).
     urls: list[str] = field(default_factory=list)
-    timeout_s: float = 1200.0  # bounds every wait: a server's startup, and each request
+    # bounds every wait: a server's startup, and its silence (no answer and no progress on its token counters while
+    # requests are in flight), not how long a request waits in its queue
+    timeout_s: float = 1200.0
     max_in_flight: int = 128  # requests a rank has in flight (vLLM batches them; more wait in its queue)
     # Node-local scratch for the hidden-state files the server writes (None: $TMPDIR, else the system's temporary
-    # directory), bounded to scratch_gb: only finished shards go to the prep directory.
+    # directory), bounded to scratch_gb per prep rank (a node's ranks together: scratch_gb x ranks per node, which
+    # must be free there): only finished shards go to the prep directory.
     scratch_dir: str | None = None
     scratch_gb: float = 8.0
     # What the probe batch's vLLM capture is checked against before any sample is written. engine: the prep's
@@ -85,6 +90,28 @@ class VLLMConfig:
     # logprobs), and no transformers copy of the target loads (a target larger than one device stays in vLLM).
     # hf: additionally the target's transformers forward, tap by tap (loads the whole target in each prep rank).
     capture_fidelity: str = "engine"
+
+    def servers(self) -> list[tuple[str | None, str]]:
+        """`urls` as (node or None, base URL without a trailing slash); ConfigError naming the entry that is neither
+        http(s)://host:port nor node=http(s)://host:port."""
+        from urllib.parse import urlsplit
+
+        out = []
+        for entry in self.urls:
+            node, sep, url = str(entry).partition("=")
+            if not sep:
+                node, url = None, str(entry)
+            try:
+                parts = urlsplit(url)
+                port = parts.port
+            except ValueError:
+                parts, port = None, None
+            if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or port is None or (
+                    node is not None and not node.strip()):
+                raise ConfigError(f"vllm.urls entry {entry!r} is not http(s)://host:port or node=http(s)://host:port "
+                                  "of a running vLLM server")
+            out.append((node.strip() if node else None, url.rstrip("/")))
+        return out
 
 
 @dataclass
@@ -142,58 +169,56 @@ class PrepConfig:
 
     def validate(self) -> None:
         if self.overflow not in ("truncate", "drop"):
-            raise ValueError(f"overflow must be truncate|drop, got {self.overflow!r}")
+            raise ConfigError(f"overflow must be truncate|drop, got {self.overflow!r}")
         if self.regen.backend not in ("hf", "openai", "vllm"):
-            raise ValueError(f"regen.backend must be hf|openai|vllm, got {self.regen.backend!r}")
+            raise ConfigError(f"regen.backend must be hf|openai|vllm, got {self.regen.backend!r}")
         if self.regen.on_length not in ("unmask", "drop"):
-            raise ValueError(f"regen.on_length must be unmask|drop, got {self.regen.on_length!r}")
+            raise ConfigError(f"regen.on_length must be unmask|drop, got {self.regen.on_length!r}")
         if self.regen.api_key is not None:  # the value is never printed
             raise ConfigError(f"regen.api_key is not read (a key on the command line shows in `ps` and in error "
                               f"output): export {self.regen.api_key_env}=<key> instead (regen.api_key_env names "
                               "the variable)")
         if self.eval_samples is not None and self.eval_samples < 0:
-            raise ValueError(f"eval_samples must be >= 0 (or null: the default share), got {self.eval_samples}")
+            raise ConfigError(f"eval_samples must be >= 0 (or null: the default share), got {self.eval_samples}")
         if self.capture.teacher not in ("hidden", "topk", "argmax"):
-            raise ValueError(f"capture.teacher must be hidden|topk|argmax, got {self.capture.teacher!r}")
+            raise ConfigError(f"capture.teacher must be hidden|topk|argmax, got {self.capture.teacher!r}")
         if self.capture.taps_dtype not in ("bfloat16", "float8_e4m3fn"):
-            raise ValueError(f"capture.taps_dtype must be bfloat16|float8_e4m3fn, got {self.capture.taps_dtype!r}")
+            raise ConfigError(f"capture.taps_dtype must be bfloat16|float8_e4m3fn, got {self.capture.taps_dtype!r}")
         if self.stage not in ("all", "vocab", "render"):
-            raise ValueError(f"stage must be all|vocab|render, got {self.stage!r}")
+            raise ConfigError(f"stage must be all|vocab|render, got {self.stage!r}")
         if self.draft_vocab_count not in ("dataset", "train"):
-            raise ValueError(f"draft_vocab_count must be dataset|train, got {self.draft_vocab_count!r}")
+            raise ConfigError(f"draft_vocab_count must be dataset|train, got {self.draft_vocab_count!r}")
         if not 0.0 <= self.draft_vocab_train_weight <= 1.0:
-            raise ValueError(f"draft_vocab_train_weight must be in [0, 1], got {self.draft_vocab_train_weight}")
+            raise ConfigError(f"draft_vocab_train_weight must be in [0, 1], got {self.draft_vocab_train_weight}")
         if self.capture.tensor_parallel_size < 1:
-            raise ValueError(f"capture.tensor_parallel_size must be >= 1, got {self.capture.tensor_parallel_size}")
+            raise ConfigError(f"capture.tensor_parallel_size must be >= 1, got {self.capture.tensor_parallel_size}")
         if self.max_len < 8:
-            raise ValueError("max_len must be >= 8")
+            raise ConfigError("max_len must be >= 8")
         self.capture_engine_checks()
 
     def capture_engine_checks(self) -> None:
         c, v = self.capture, self.vllm
         if c.engine not in ("hf", "vllm"):
-            raise ValueError(f"capture.engine must be hf|vllm, got {c.engine!r}")
+            raise ConfigError(f"capture.engine must be hf|vllm, got {c.engine!r}")
         if self.uses_vllm() and c.tensor_parallel_size != 1:
-            raise ValueError("capture.tensor_parallel_size splits the transformers target (capture.engine=hf, "
+            raise ConfigError("capture.tensor_parallel_size splits the transformers target (capture.engine=hf, "
                              "regen.backend=hf); prep's vLLM engine is split by vllm.tensor_parallel_size")
         if v.capture_fidelity not in ("engine", "hf"):
-            raise ValueError(f"vllm.capture_fidelity must be engine|hf, got {v.capture_fidelity!r}")
+            raise ConfigError(f"vllm.capture_fidelity must be engine|hf, got {v.capture_fidelity!r}")
         for key in ("tensor_parallel_size", "pipeline_parallel_size", "max_in_flight"):
             if getattr(v, key) < 1:
-                raise ValueError(f"vllm.{key} must be >= 1, got {getattr(v, key)}")
+                raise ConfigError(f"vllm.{key} must be >= 1, got {getattr(v, key)}")
         for key in ("timeout_s", "scratch_gb"):
             if not getattr(v, key) > 0:
-                raise ValueError(f"vllm.{key} must be > 0, got {getattr(v, key)}")
-        bad = [u for u in v.urls if not str(u).startswith(("http://", "https://"))]
-        if bad:
-            raise ValueError(f"vllm.urls must be http(s)://host:port of running vLLM servers, got {bad}")
+                raise ConfigError(f"vllm.{key} must be > 0, got {getattr(v, key)}")
+        v.servers()  # each entry a server URL, or node=URL
         if v.urls and (v.tensor_parallel_size, v.pipeline_parallel_size, dict(v.engine_kwargs)) != (1, 1, {}):
-            raise ValueError("vllm.urls names servers already running: their parallel sizes and engine arguments are "
+            raise ConfigError("vllm.urls names servers already running: their parallel sizes and engine arguments are "
                              "their own `vllm serve` flags; leave vllm.tensor_parallel_size, pipeline_parallel_size "
                              "and engine_kwargs unset")
         taken = sorted(set(v.engine_kwargs) & set(RESERVED_ENGINE_KWARGS))
         if taken:
-            raise ValueError(f"vllm.engine_kwargs sets {taken}, which prep sets itself (the model, dtype, "
+            raise ConfigError(f"vllm.engine_kwargs sets {taken}, which prep sets itself (the model, dtype, "
                              "max_model_len, host, port and the extraction are prep's; the parallel sizes are vllm's "
                              "own keys)")
 

@@ -100,11 +100,12 @@ from data_prep.vocab import (
     save_draft_vocab,
     selection_scores,
 )
+from infra.config_keys import ConfigError
 from infra.dirlock import claim, holding
 from infra.files import save_safetensors
 from infra.preemption import Preempted, StopSignals
 from infra.strict_json import dumps
-from models.config import check_target
+from models.config import check_trainable_target
 from models.target_head import TargetHead
 
 SPLITS = ("train", "eval")
@@ -125,12 +126,78 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
-def _device(cfg: PrepConfig) -> str:
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of a device for its weights, activations and KV cache
+DEVICE_CONTEXT_BYTES = 1 << 30  # what a CUDA context and allocator slack take besides the head's tensors
+
+
+@dataclass(frozen=True)
+class RankDevices:
+    """Where a prep rank's pieces live: `head` (the target head, the fidelity probe and the compact teacher's
+    top-k) and `hf_target` (the transformers target; None: not loaded) as prep's torch names devices, and
+    `server`: the devices of the rank's own vLLM server as CUDA_VISIBLE_DEVICES names them (None: no server of
+    prep's, or a node without devices). `note`: why, where a choice was made."""
+
+    head: str
+    hf_target: str | None
+    server: str | None
+    note: str = ""
+
+    def describe(self) -> str:
+        server = f"vLLM server on devices {self.server}" if self.server is not None else "no vLLM server of its own"
+        return (f"{server}; head {self.head}; transformers target {self.hf_target or 'not loaded'}"
+                + (f" ({self.note})" if self.note else ""))
+
+
+def rank_devices(cfg: PrepConfig, plan: PrepPlan, *, local_rank: int, local_world: int, prep_devices: int,
+                 node_devices: int = 0, visible: str | None = None, head_bytes: int = 0,
+                 device_bytes: int | None = None) -> RankDevices:
+    """The devices of local rank `local_rank` of `local_world` on its node (`prep_devices`: the CUDA devices prep's
+    own torch sees; `node_devices`: those vLLM's own check counts, where the servers go; `visible`:
+    CUDA_VISIBLE_DEVICES). Off the vLLM route, the rank's device as before (cuda:local_rank, or the CPU). On it, the
+    rank's server takes its block of the node's devices (infra/vllm_server.py device_group), the head goes to that
+    block's first device when it fits in the share vLLM leaves (`head_bytes` against `device_bytes`), else to host
+    memory, and a transformers target never shares a device with a server: loaded after the servers stopped
+    (plan.hf_target "after_regen") it takes the rank's first device; loaded beside them it needs a device no server
+    of the node holds (the head goes with it), or ConfigError. With the user's servers (vllm.urls) prep cannot know which devices they
+    hold: the head stays in host memory and a transformers target goes where `device=` says (required on a GPU
+    node). An explicit `device=` places the head and the target there."""
+    from infra.vllm_server import device_group
+
+    hf = plan.hf_target is not None
+    if not plan.vllm:
+        device = cfg.device or (f"cuda:{local_rank}" if prep_devices else "cpu")
+        return RankDevices(device, device if hf else None, None)
+    if cfg.vllm.urls:
+        if hf and prep_devices and not cfg.device:
+            raise ConfigError("vllm.urls: prep cannot know which GPUs the user's servers hold, and this plan loads the "
+                              f"transformers target too ({plan.why_hf}): set device= to a GPU they leave free, or "
+                              "device=cpu")
+        return RankDevices(cfg.device or "cpu", (cfg.device or "cpu") if hf else None, None,
+                           "" if cfg.device else "the user's servers hold the node's devices")
+    group = cfg.vllm.tensor_parallel_size * cfg.vllm.pipeline_parallel_size
+    server = device_group(local_rank, group, node_devices, visible)
     if cfg.device:
-        return cfg.device
-    if torch.cuda.is_available():
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-    return "cpu"
+        return RankDevices(cfg.device, cfg.device if hf else None, server, "device= given")
+    if server is None or not prep_devices:
+        note = "prep's torch sees no GPU" if server is not None else ""
+        return RankDevices("cpu", "cpu" if hf else None, server, note)
+    first = local_rank * group  # the index of the server's first device among those visible to prep's torch too
+    share = float(cfg.vllm.engine_kwargs.get("gpu_memory_utilization", GPU_MEMORY_UTILIZATION))
+    head, note = f"cuda:{first}", ""
+    if device_bytes is not None and head_bytes + DEVICE_CONTEXT_BYTES > (1 - share) * device_bytes:
+        head, note = "cpu", (f"the head ({head_bytes / 2**30:.1f} GiB) does not fit beside the server's "
+                             f"gpu_memory_utilization={share:g} of {device_bytes / 2**30:.0f} GiB: host memory")
+    if not hf:
+        return RankDevices(head, None, server, note)
+    if plan.hf_target == "after_regen":  # the servers are stopped (every rank's: a barrier) before it loads
+        return RankDevices(head, f"cuda:{first}", server, note)
+    free = local_world * group + local_rank
+    if free >= prep_devices:
+        raise ConfigError(f"the transformers target ({plan.why_hf}) would share a GPU with a vLLM server: local rank "
+                          f"{local_rank}'s would be device {free}, but the {local_world} servers of this node hold "
+                          f"devices 0..{local_world * group - 1} of {prep_devices}. Regenerate on vLLM "
+                          "(regen.backend=vllm), keep vllm.capture_fidelity=engine, or start fewer prep ranks per node")
+    return RankDevices(f"cuda:{free}", f"cuda:{free}", server, "the head beside the transformers target")
 
 
 def select_conversations(cfg: PrepConfig) -> tuple[dict[str, list[Conversation]], dict]:
@@ -194,7 +261,8 @@ def plan_regeneration(cfg: PrepConfig, preset: TargetPreset, tokenizer, convs: l
     return kept, len(convs) - len(kept)
 
 
-def regenerate_split(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, convs, path: Path, client=None):
+def regenerate_split(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, convs, path: Path, client=None,
+                     should_stop=None):
     """Replace assistant turns by the target's own replies; returns the ok conversations and counts. `model`: the
     transformers target (regen.backend=hf); `client`: prep's vLLM servers (regen.backend=vllm)."""
     from data_prep.regenerate import HFBackend, OpenAIBackend, VLLMBackend, load_regenerated, regenerate
@@ -228,6 +296,7 @@ def regenerate_split(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, co
         batch_size=r.batch_size,
         max_turns=r.max_turns,
         prompt_fits=lambda messages: prompt_tokens(tokenizer, messages, kwargs) <= reply_room(cfg),
+        should_stop=should_stop,
     )
     ok = {c.id: c for c in load_regenerated(path)}
     return [ok[c.id] for c in convs if c.id in ok], summary.to_dict()
@@ -277,10 +346,11 @@ def length_batches(samples: list[Rendered], batch_tokens: int) -> list[list[Rend
     return batches
 
 
-def capture_split(cfg, head, capture, spec, samples, root: Path, rank: int, device: str, group=None) -> dict:
+def capture_split(cfg, head, capture, spec, samples, root: Path, rank: int, device: str,
+                  signals: StopSignals | None = None, group=None) -> dict:
     """Capture `samples` into this rank's shards (`rank`: the shard files' rank). `group`: a tensor-parallel group
     (capture.tensor_parallel_size > 1): its ranks hold the same samples and run the same forwards together; its
-    first rank writes them. SIGTERM/SIGUSR1 (infra/preemption.py) end it after the batch in flight: its samples
+    first rank writes them. SIGTERM/SIGUSR1 (infra/preemption.py, `signals`) end it after the batch in flight: its samples
     go into a last shard, recorded, and Preempted (exit status 75) is raised; a rerun captures the rest."""
     write = group is None or dist.get_rank(group) == 0
     writer = ShardWriter(root, spec, rank=rank, tokens_per_shard=cfg.capture.tokens_per_shard) if write else None
@@ -294,7 +364,9 @@ def capture_split(cfg, head, capture, spec, samples, root: Path, rank: int, devi
     bar = tqdm(total=sum(len(s.input_ids) for s in todo), unit="tok", desc=f"capture {root.name} r{rank}",
                disable=rank != 0)
     stop = 0
-    with StopSignals(f"capture of {root.name}") as signals:
+    with ExitStack() as stack:
+        if signals is None:  # the caller's (prep's, installed for the whole run), else this capture's own
+            signals = stack.enter_context(StopSignals(f"capture of {root.name}"))
         for batch in length_batches(todo, cfg.capture.batch_tokens):
             # a group runs its forwards together, so its ranks agree on stopping (one int over the group)
             stop = signals.received if group is None else signals.agreed(device, group)
@@ -346,14 +418,14 @@ def save_target_files(head: TargetHead, target_config, tokenizer, out: Path) -> 
 
 def preflight(cfg: PrepConfig, preset: TargetPreset, tap_layers: list[int]) -> None:
     """Before the target's weights load: its tokenizer has a chat template (or `chat_template=` gives one), and
-    nothing of its config or the tap layers is what training would refuse (models.config.check_target, the
+    nothing of its config or the tap layers is what training would refuse (models.config.check_trainable_target, the
     same checks the drafter config runs when training builds it)."""
     load_tokenizer(preset, cfg.chat_template)
     config = load_target_config(preset)
     check_tensor_parallel(config, cfg.capture.tensor_parallel_size, int(os.environ.get("WORLD_SIZE", 1)),
                           f"target {preset.name!r}, capture.tensor_parallel_size")
     try:
-        check_target(config, tap_layers)
+        check_trainable_target(config, tap_layers)
     except ValueError as e:
         family = config.get("model_type") or "?"
         raise ValueError(f"target {preset.name!r} ({family}), capture.tap_layers={tap_layers}: {e}. Training would "
@@ -525,6 +597,7 @@ class PrepPlan:
     # when the transformers target loads: "first" (before anything else runs on it), "after_regen" (once the vLLM
     # servers regenerated and stopped: the devices are its then) or None (never: the head's tensors alone)
     hf_target: str | None
+    why_hf: str = ""  # what the transformers target is loaded for (errors name it)
 
     @property
     def vllm(self) -> bool:
@@ -547,13 +620,15 @@ def plan_prep(cfg: PrepConfig) -> PrepPlan:
     capture = cfg.capture.engine if cfg.stage == "all" else None
     needs_hf = (capture != "vllm" or regen == "hf"
                 or (capture == "vllm" and cfg.vllm.capture_fidelity == "hf"))
+    why = ("capture.engine=hf" if capture == "hf" else "regen.backend=hf" if regen == "hf"
+           else "vllm.capture_fidelity=hf" if capture == "vllm" else "the render stage's fidelity probe")
     return PrepPlan(regen=regen, capture=capture,
                     hf_target=None if not needs_hf else "after_regen" if regen == "vllm" and capture != "vllm"
-                    else "first")
+                    else "first", why_hf=why if needs_hf else "")
 
 
 def rank_servers(cfg: PrepConfig, plan: PrepPlan, preset: TargetPreset, tap_layers: list[int], python: str | None,
-               cuda: bool, part: int, rank: int, world: int, out: Path):
+                 cuda: bool, node_devices: int, part: int, rank: int, world: int, out: Path, should_stop):
     """This rank's vLLM servers (data_prep/vllm_client.py): `with` starts them (they build in the background) or
     connects to the user's."""
     from data_prep.vllm_capture import engine_layer_ids
@@ -565,16 +640,45 @@ def rank_servers(cfg: PrepConfig, plan: PrepPlan, preset: TargetPreset, tap_laye
                       tensor_parallel_size=cfg.vllm.tensor_parallel_size,
                       pipeline_parallel_size=cfg.vllm.pipeline_parallel_size,
                       engine_kwargs=dict(cfg.vllm.engine_kwargs))
-    return VLLMClient(spec, cfg.vllm, python=python, cuda=cuda, rank=rank, world=world,
-                      local_rank=int(os.environ.get("LOCAL_RANK", 0)), num_devices=torch.cuda.device_count(),
-                      log_path=out / f"vllm.r{part}.log")
+    local_rank, local_world = _local()
+    return VLLMClient(spec, cfg.vllm, python=python, cuda=cuda, rank=rank, world=world, local_rank=local_rank,
+                      local_world=local_world, num_devices=node_devices, log_path=out / f"vllm.r{part}.log",
+                      should_stop=should_stop)
+
+
+def _local() -> tuple[int, int]:
+    return int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+def head_bytes(preset: TargetPreset, dtype: str | None) -> int:
+    """The target head's tensors (input embedding and LM head; the norm is negligible) in prep's dtype."""
+    size = 4 if (dtype or preset.dtype) == "float32" else 2
+    return 2 * preset.vocab_size * preset.hidden_size * size
+
+
+def plan_devices(cfg: PrepConfig, plan: PrepPlan, preset: TargetPreset, node_devices: int) -> RankDevices:
+    """This rank's RankDevices, from the node's devices as vLLM counts them and prep's own torch."""
+    local_rank, local_world = _local()
+    prep_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device_bytes = None
+    if plan.vllm and prep_devices:
+        group = cfg.vllm.tensor_parallel_size * cfg.vllm.pipeline_parallel_size
+        device_bytes = torch.cuda.get_device_properties(min(local_rank * group, prep_devices - 1)).total_memory
+    return rank_devices(cfg, plan, local_rank=local_rank, local_world=local_world, prep_devices=prep_devices,
+                        node_devices=node_devices, visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                        head_bytes=head_bytes(preset, cfg.dtype), device_bytes=device_bytes)
+
+
+def stop_point(signals: StopSignals) -> None:
+    """A boundary between prep's stages: Preempted (exit 75) if a stop signal came (every stage resumes)."""
+    if signals.received:
+        raise Preempted(signals.received)
 
 
 def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | None:
     preset = resolve_target(cfg.model)
     cfg = with_preset_defaults(cfg, preset)
     plan = plan_prep(cfg)
-    device = _device(cfg)
     tap_layers = list(cfg.capture.tap_layers or preset.tap_layers)
 
     splits, loader_skips = select_conversations(cfg)
@@ -584,58 +688,79 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
     # tensor parallel: the samples are split over the groups (part `part` of `parts`); a group's first rank writes
     part, parts, writes = rank // tp_size, world // tp_size, rank % tp_size == 0
     with ExitStack() as stack:
+        # SIGTERM/SIGUSR1 anywhere in the prep: a clean stop at the next boundary, or at once while waiting on vLLM
+        signals = stack.enter_context(StopSignals("prep"))
+
+        def should_stop() -> int:
+            return signals.received
+
+        python, cuda, node_devices = None, False, 0
+        if plan.vllm and not cfg.vllm.urls:
+            from data_prep.vllm_client import VLLM_PLUGIN
+            from infra.vllm_server import ready
+
+            python, info = ready(cfg.vllm.python, VLLM_PLUGIN)
+            cuda, node_devices = bool(info.get("cuda")), int(info.get("device_count") or 0)
+        devices = plan_devices(cfg, plan, preset, node_devices)  # before anything loads: refuses what cannot fit
+        if rank == 0:
+            print(f"prep devices, local rank 0: {devices.describe()}")
         client = None
         if plan.vllm:  # first: a server that cannot start fails the prep before any other long work
-            python, cuda = None, False
-            if not cfg.vllm.urls:
-                from infra.vllm_server import ready
-
-                python, info = ready(cfg.vllm.python)
-                cuda = bool(info.get("cuda"))
-            client = stack.enter_context(rank_servers(cfg, plan, preset, tap_layers, python, cuda, part, rank, world,
-                                                      out))
+            client = stack.enter_context(rank_servers(cfg, plan, preset, tap_layers, python, cuda, node_devices, part,
+                                                      rank, world, out, should_stop))
         model = None
         if plan.hf_target == "first":
-            model, tokenizer = load_target(preset, cfg.dtype, device, chat_template=cfg.chat_template,
+            model, tokenizer = load_target(preset, cfg.dtype, devices.hf_target, chat_template=cfg.chat_template,
                                            tensor_parallel=tp_size)
             head, target_config = TargetHead.from_hf_model(model), model.config
+            head = head.to(devices.head)
         else:  # vLLM holds the layers (or regenerates before the transformers target loads): the head's tensors alone
             tokenizer = load_tokenizer(preset, cfg.chat_template)
             head, target_config = load_target_head(preset, cfg.dtype)
-            head = head.to(device)
+            head = head.to(devices.head)
         spec = shard_spec(cfg, preset, tap_layers, head, target_config, tokenizer)
         write_spec(out, spec, TargetSource(model=str(Path(preset.local_path).resolve()) if preset.local_path
                                            else cfg.model, dtype=cfg.dtype or preset.dtype,
                                            chat_template=cfg.chat_template))
+
+        def alive() -> None:  # beside the servers' start-up: they are checked, and a stop signal stops the count
+            if client is not None:
+                client.check_starting()
+            stop_point(signals)
+
         if cfg.draft_vocab_count == "dataset" and writes:  # forward-free: beside the servers' startup
             share = dataset_token_counts(cfg, tokenizer, splits["pool"], preset, spec.vocab_size, part, parts,
-                                         alive=client.check_alive if client is not None else None)
+                                         alive=alive)
             save_safetensors({"counts": share}, out / f"dataset_counts.r{part}.safetensors")
+        stop_point(signals)
         if client is not None:
             client.wait_ready()
         probe = probe_batch(tokenizer, splits["train"], cfg.max_len, template_kwargs(cfg, preset))
         capture = fidelity = None
         if model is not None:
-            capture, fidelity = attach_target(stack, model, head, tap_layers, probe, device, rank)
+            capture, fidelity = attach_target(stack, model, head, tap_layers, probe, devices.hf_target, rank)
         counts: Counter = Counter()
         mine_by_split = {split: splits[split][part::parts] for split in SPLITS}
         regen_summary: dict = {}
         if plan.regen is not None:
             group = tensor_parallel_group(model)
             mine_by_split, regen_summary = regenerate_splits(cfg, preset, model, tokenizer, mine_by_split, out,
-                                                             part, group, client, counts)
+                                                             part, group, client, counts, should_stop)
+        stop_point(signals)
         if plan.hf_target == "after_regen":  # the servers' devices are the transformers target's now
             client.close()
-            model, tokenizer = load_target(preset, cfg.dtype, device, chat_template=cfg.chat_template,
+            _barrier(world)  # every rank's server stopped before any target loads onto a server's device
+            model, tokenizer = load_target(preset, cfg.dtype, devices.hf_target, chat_template=cfg.chat_template,
                                            tensor_parallel=tp_size)
-            capture, fidelity = attach_target(stack, model, head, tap_layers, probe, device, rank)
+            capture, fidelity = attach_target(stack, model, head, tap_layers, probe, devices.hf_target, rank)
         rendered = render_splits(cfg, preset, tokenizer, mine_by_split, out, part, parts, writes, counts)
+        stop_point(signals)
         captured = {"tokens": 0, "seconds": 0.0}
         fidelity = dict(fidelity or {})
         if plan.capture == "hf":
             for split, samples in rendered.items():
-                stats = capture_split(cfg, head, capture, spec, samples, out / split, part, device,
-                                      tensor_parallel_group(model))
+                stats = capture_split(cfg, head, capture, spec, samples, out / split, part, devices.hf_target,
+                                      signals, tensor_parallel_group(model))
                 captured["tokens"] += stats["tokens"]
                 captured["seconds"] += stats["seconds"]
         elif plan.capture == "vllm":
@@ -643,14 +768,15 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
 
             vllm_stats, fidelity["vllm"] = vllm_capture.capture_prep(
                 cfg, model, head, spec, {split: (samples, out / split) for split, samples in rendered.items()},
-                part, probe, client)
+                part, probe, client, should_stop)
             captured["tokens"] += sum(st["tokens"] for st in vllm_stats.values())
             captured["seconds"] += sum(st["seconds"] for st in vllm_stats.values())
         counts["captured_tokens"] += captured["tokens"]
     if writes:
         (out / f"summary.r{part}.json").write_text(dumps(
             {"counts": counts, "loader_skips": loader_skips, "regen": regen_summary,
-             "capture_seconds": captured["seconds"], "fidelity": fidelity}, default=dict))
+             "capture_seconds": captured["seconds"], "fidelity": fidelity, "devices": asdict(devices)},
+            default=dict))
     _barrier(world)
     summary = finish(cfg, out, spec, head, target_config, tokenizer, parts) if rank == 0 else None
     _barrier(world)
@@ -688,7 +814,7 @@ def attach_target(stack: ExitStack, model, head: TargetHead, tap_layers: list[in
 
 
 def regenerate_splits(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, mine_by_split: dict, out: Path,
-                      part: int, group, client, counts: Counter) -> tuple[dict, dict]:
+                      part: int, group, client, counts: Counter, should_stop=None) -> tuple[dict, dict]:
     """Every split's conversations of this part with the target's own replies: (conversations kept per split,
     regeneration summary per split); the ones whose first prompt leaves no room are counted in `counts`."""
     kept, summary = {}, {}
@@ -696,7 +822,8 @@ def regenerate_splits(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, m
         mine, too_long = plan_regeneration(cfg, preset, tokenizer, mine)
         counts["regen: first prompt leaves no room for a reply under max_len"] += too_long
         path = _regen_path(out, split, part, group, cfg.seed)
-        kept[split], summary[split] = regenerate_split(cfg, preset, model, tokenizer, mine, path, client)
+        kept[split], summary[split] = regenerate_split(cfg, preset, model, tokenizer, mine, path, client,
+                                                       should_stop)
     return kept, summary
 
 

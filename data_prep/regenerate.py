@@ -49,6 +49,7 @@ from typing import Any, Protocol
 
 from data_prep.chat import end_of_turn, render_prompt
 from data_prep.conversations import Conversation, Message
+from infra.preemption import Preempted
 from infra.strict_json import dumps
 from infra.vllm_server import API_KEY_ENV, VLLMServerError
 
@@ -481,13 +482,17 @@ def regenerate(
     retry_errors: bool = False,
     progress: bool = True,
     prompt_fits: Callable[[list[Message]], bool] | None = None,
+    should_stop: Callable[[], int] | None = None,
 ) -> RegenSummary:
     """Regenerate `conversations` into `out_path` (JSONL, resumable); see the module doc.
 
     `batch_size` conversations advance together, one turn index per backend call (for the openai
     backend it bounds the requests in flight together with the backend's `concurrency`).
     `enable_thinking` None falls back to the backend's own `enable_thinking`. `prompt_fits(prompt)` False:
-    no room for a whole reply after that prompt (the prep's max_len); nothing is sent for it.
+    no room for a whole reply after that prompt (the prep's max_len); nothing is sent for it. `should_stop()`: the
+    stop signal received (prep's StopSignals), checked before every backend call (a backend may also raise
+    Preempted while it waits): the conversations finished are in the file, the batch in flight is not, and
+    Preempted (exit 75) ends the regeneration; a rerun regenerates the rest.
     """
     from tqdm import tqdm
 
@@ -538,6 +543,8 @@ def regenerate(
             batch = [_plan(c, max_turns) for c in pending[b : b + batch_size]]
             turn = 0
             while active := [w for w in batch if w.status == "ok" and turn < len(w.todo)]:
+                if should_stop is not None and should_stop():
+                    raise Preempted(should_stop())
                 prompts = [w.done + w.todo[turn] for w in active]
                 fits = [prompt_fits is None or prompt_fits(p) for p in prompts]
                 replies = backend.generate([p for p, ok in zip(prompts, fits) if ok], params) if any(fits) else []

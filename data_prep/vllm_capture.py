@@ -12,9 +12,11 @@ joined in tap order, a compact teacher from the prep's target head), writes it w
 deletes the file.
 
 Resume: samples already recorded in a split's partial manifests are not sent again; nothing is sent when every
-sample is recorded. SIGTERM/SIGUSR1 (infra/preemption.py) stop the capture at the next sample: the samples
-written go into a last shard, recorded, the requests still in flight are dropped with the servers, and Preempted
-(exit status 75) is raised; a rerun captures the rest. Fidelity: the prep's probe batch goes first, before any
+sample is recorded. SIGTERM/SIGUSR1 (infra/preemption.py) stop the capture at the next sample, or at once while it
+waits for an answer, also when the signal reached the server too and it exited (SLURM signals every process of the
+step): the samples written go into a last shard, recorded, the requests still in flight are dropped with the
+servers, and Preempted (exit status 75) is raised; a rerun captures the rest. Any other failure also closes the
+shard writers first, so nothing written is lost. Fidelity: the prep's probe batch goes first, before any
 sample is written: the prep's target head on vLLM's teacher must give vLLM's own top-1 next token at every probe
 position (data_prep/fidelity.py check_engine_head; no transformers copy of the target is loaded: prep reads the
 head's tensors alone), and with vllm.capture_fidelity=hf check_engine_fidelity also compares every tap and the
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -57,9 +60,11 @@ def aux_layer_ids(tap_layers: list[int], num_layers: int) -> tuple[list[int], li
 
 
 def features_from_file(path: Path, input_ids: torch.Tensor, sample_id: str, columns: list[int], teacher: int,
-                       num_ids: int, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                       num_ids: int, hidden_size: int, dtype: str | None = None,
+                       where: str = "the vLLM server") -> tuple[torch.Tensor, torch.Tensor]:
     """(taps [T, n_taps*H] in tap order, teacher hidden [T, H]) from one connector file, after checking that it
-    holds exactly this sample's tokens and the extracted layers' shape."""
+    holds exactly this sample's tokens and the extracted layers' shape, in prep's `dtype` (the connector writes the
+    server's own: a user's server started with another --dtype computes other features)."""
     try:
         data = load_file(str(path))
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
@@ -75,6 +80,10 @@ def features_from_file(path: Path, input_ids: torch.Tensor, sample_id: str, colu
     if hs.shape != (n, num_ids, hidden_size):
         raise VLLMCaptureError(f"{path} (sample {sample_id!r}): hidden_states {tuple(hs.shape)}, expected "
                                f"{(n, num_ids, hidden_size)} (tokens, extracted layers, hidden size)")
+    if dtype is not None and hs.dtype != getattr(torch, dtype):
+        raise VLLMCaptureError(f"{where} computes in {str(hs.dtype).removeprefix('torch.')}, prep in {dtype} "
+                               f"({path}, sample {sample_id!r}): start it with --dtype {dtype}, or give prep "
+                               f"dtype={str(hs.dtype).removeprefix('torch.')}")
     taps = torch.cat([hs[:, c] for c in columns], dim=-1)
     return taps, hs[:, teacher]
 
@@ -107,7 +116,8 @@ def stream_features(client: VLLMClient, tap_layers: list[int], num_layers: int, 
         raise ValueError(f"the servers extract aux layers {client.spec.layer_ids}, the capture needs {ids}")
     tokens = dict(items)
     for key, path, engine in client.capture([(k, t.tolist()) for k, t in items], logprobs=logprobs):
-        taps, final = features_from_file(path, tokens[key], key, columns, teacher, len(ids), hidden_size)
+        taps, final = features_from_file(path, tokens[key], key, columns, teacher, len(ids), hidden_size,
+                                         client.spec.dtype, client.where)
         yield key, taps, final, engine
 
 
@@ -115,14 +125,17 @@ def capture_splits(client: VLLMClient, spec: ShardSpec, head: TargetHead,
                    splits: dict[str, tuple[list[Rendered], Path]], rank: int, tokens_per_shard: int,
                    probe: list[torch.Tensor] | None = None,
                    check_probe: Callable[[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[dict]],
-                                         dict] | None = None) -> tuple[dict[str, dict], dict | None]:
+                                         dict] | None = None,
+                   should_stop: Callable[[], int] | None = None) -> tuple[dict[str, dict], dict | None]:
     """Capture every split's samples not yet recorded (split -> (rendered samples, shard set root)) on the
     client's servers, each written by its split's ShardWriter in capture order. `probe` (token id sequences) goes
     first; `check_probe(probe, taps, teachers, engine)` judges it before any sample is written (its result is
     returned; `engine`: vLLM's own top-1 per position, stream_features). Per split: samples, tokens, seconds,
     skipped_already_done, bytes_written, as pipeline.capture_split, and `next_token_agreement`: of the samples
     captured, the share whose last position's teacher gives, through `head`, the token vLLM itself chose.
-    SIGTERM/SIGUSR1 stop it after the sample being written (the module docstring)."""
+    `should_stop()` (the stop signal received, prep's StopSignals; else this function's own): checked after every
+    sample written and while waiting for the next answer; the samples written go into a last shard either way, and
+    so do they when anything else fails (the module docstring)."""
     writers, todo, stats = {}, {}, {}
     for split, (samples, root) in splits.items():
         writers[split] = ShardWriter(root, spec, rank=rank, tokens_per_shard=tokens_per_shard)
@@ -140,24 +153,35 @@ def capture_splits(client: VLLMClient, spec: ShardSpec, head: TargetHead,
         start = time.perf_counter()
         features = stream_features(client, spec.tap_layers, spec.target["num_layers"], spec.target["hidden_size"],
                                    items, logprobs=probe_keys)
-        with StopSignals("vLLM capture") as signals:
-            for key, taps, final, engine in features:
-                if key.startswith(PROBE):
-                    got_probe[key] = (taps, final, engine)
-                    if len(got_probe) == len(probe) and check_probe is not None:
-                        order = [got_probe[f"{PROBE}{i}"] for i in range(len(probe))]
-                        fidelity = check_probe(probe, *map(list, zip(*order)))
-                    continue
-                split, sid = key[len(SAMPLE):].split(":", 1)
-                sample = build_sample(todo[split][sid], taps, final, spec, head)
-                writers[split].add(sample)
-                stats[split]["samples"] += 1
-                stats[split]["tokens"] += len(sample)
-                agreed[split] += int(head_choice(head, final[-1]) == engine["next_token"])
-                if signals.received:
-                    stop = signals.received
-                    break
-            features.close()  # the requests still in flight: dropped (their files go with the launch's scratch)
+        with ExitStack() as stack:
+            if should_stop is None:
+                signals = stack.enter_context(StopSignals("vLLM capture"))
+                should_stop = lambda: signals.received  # noqa: E731
+            try:
+                for key, taps, final, engine in features:
+                    if key.startswith(PROBE):
+                        got_probe[key] = (taps, final, engine)
+                        if len(got_probe) == len(probe) and check_probe is not None:
+                            order = [got_probe[f"{PROBE}{i}"] for i in range(len(probe))]
+                            fidelity = check_probe(probe, *map(list, zip(*order)))
+                        continue
+                    split, sid = key[len(SAMPLE):].split(":", 1)
+                    sample = build_sample(todo[split][sid], taps, final, spec, head)
+                    writers[split].add(sample)
+                    stats[split]["samples"] += 1
+                    stats[split]["tokens"] += len(sample)
+                    agreed[split] += int(head_choice(head, final[-1]) == engine["next_token"])
+                    if should_stop():
+                        stop = should_stop()
+                        break
+            except Preempted as e:  # the stop came while waiting for an answer
+                stop = e.signum
+            except BaseException:
+                for writer in writers.values():  # nothing written is lost: a rerun skips what is recorded
+                    writer.close()
+                raise
+            finally:
+                features.close()  # the requests still in flight: dropped (their files go with the launch's scratch)
         # one set of servers serves every split: its wall time (start-up excluded) is shared by their tokens
         elapsed = time.perf_counter() - start
         total = sum(s["tokens"] for s in stats.values()) or 1
@@ -180,7 +204,8 @@ def head_choice(head: TargetHead, teacher_row: torch.Tensor) -> int:
 
 
 def capture_prep(cfg, model, head, spec: ShardSpec, splits: dict[str, tuple[list[Rendered], Path]], part: int,
-                 probe: tuple[torch.Tensor, torch.Tensor], client: VLLMClient) -> tuple[dict[str, dict], dict]:
+                 probe: tuple[torch.Tensor, torch.Tensor], client: VLLMClient,
+                 should_stop: Callable[[], int] | None = None) -> tuple[dict[str, dict], dict]:
     """Prep's capture stage through vLLM (data_prep/pipeline.py run, capture.engine=vllm): every split of this
     rank on its servers, the probe batch checked first: the head against vLLM's own top-1 at every position
     (data_prep/fidelity.py check_engine_head), and, where prep loaded the transformers target (`model` not None:
@@ -204,5 +229,6 @@ def capture_prep(cfg, model, head, spec: ShardSpec, splits: dict[str, tuple[list
                   f"{result['hf']['argmax_agreement']:.3f}")
         return result
 
-    stats, fidelity = capture_splits(client, spec, head, splits, part, cfg.capture.tokens_per_shard, sequences, judge)
+    stats, fidelity = capture_splits(client, spec, head, splits, part, cfg.capture.tokens_per_shard, sequences, judge,
+                                     should_stop)
     return stats, fidelity or {}

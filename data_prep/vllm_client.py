@@ -9,19 +9,28 @@ the requests regeneration (regen.backend=vllm) and capture (capture.engine=vllm)
 Where the servers come from:
 - started by prep (vllm.urls empty): one `vllm serve` per prep rank (infra/vllm_server.py: guarded, dies with
   prep), on the rank's own block of vllm.tensor_parallel_size x pipeline_parallel_size devices of its node
-  (local rank l takes devices l*g .. l*g+g-1 of CUDA_VISIBLE_DEVICES, or of the node), on 127.0.0.1 and a free
-  port, with the extraction when the prep captures through it (`serve_args`). Start one prep rank per server
-  group of a node: 8 GPUs, TP 1 -> 8 ranks; TP 2 -> 4; TP 8 -> 1.
+  (local rank l takes devices l*g .. l*g+g-1 of CUDA_VISIBLE_DEVICES, or of the devices vLLM's own check counts on
+  the node), on 127.0.0.1 and a free port, with the extraction when the prep captures through it (`serve_args`).
+  Start one prep rank per server group of a node: 8 GPUs, TP 1 -> 8 ranks; TP 2 -> 4; TP 8 -> 1.
 - the user's (vllm.urls): servers already running (one per node or more, started with `serve_args`' flags, which
-  docs/scaling.md writes out); prep's ranks split them (`rank_urls`) and send a rank's requests round-robin.
+  docs/scaling.md writes out). A rank uses the servers of its own node (`node_urls`: its files are node-local), the
+  node's ranks splitting them; a rank sends its requests round-robin over its share. A guard started without a
+  server removes the launch's scratch once prep is gone, however it ended.
 
 Every request is `/v1/completions` with token ids in and out (`return_token_ids`): a regeneration request
 samples the reply; a capture request has max_tokens=1, so its prefill computes every prompt position once, and
 names where the connector writes its hidden states (`kv_transfer_params.hidden_states_path`): a file in this
 launch's own directory of node-local scratch (`vllm.scratch_dir`, default $TMPDIR), new for every launch, so a
-rerun never reads an earlier launch's files. A rank keeps at most vllm.max_in_flight requests in flight and at most
-vllm.scratch_gb of their files on disk (a request's file counted from when it is sent until it is read and
-deleted); answers are taken in the order sent, so shards are written in capture order.
+rerun never reads an earlier launch's files; an answer naming any other file is refused. A rank keeps at most
+vllm.max_in_flight requests in flight and at most vllm.scratch_gb of their files on disk (a request's file counted
+from when it is sent until it is read and deleted); answers are taken in the order sent, so shards are written in
+capture order.
+
+Deadlines: vllm.timeout_s bounds a server's start-up and its silence: while requests are in flight, an answer or a
+rise of the server's token counters (/metrics) within vllm.timeout_s is progress; a request may wait in vLLM's queue
+as long as the server makes progress. A stop signal (`should_stop`, prep's StopSignals) ends the wait at once with
+Preempted, and a server that fails after the signal (SLURM signals every process of the step: vLLM exits on
+SIGTERM) is the stop, not an error.
 """
 
 from __future__ import annotations
@@ -29,30 +38,36 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from data_prep.config import VLLMConfig
 from infra.config_keys import ConfigError
+from infra.preemption import Preempted
 from infra.strict_json import dumps
 from infra.vllm_server import (
     API_KEY_ENV,
     VLLMServer,
     VLLMServerError,
+    abort,
     cli_args,
     device_group,
+    model_card,
     post_json,
-    served_model,
+    progress_counters,
 )
 
+VLLM_PLUGIN = "data_prep.vllm_plugin"  # what vLLM's python imports of ours: --check, the CPU hidden-states connector
 CONNECTOR = "ExampleHiddenStatesConnector"  # vLLM's own
 CPU_CONNECTOR = "CPUHiddenStatesConnector"  # data_prep/vllm_plugin.py: the same without CUDA's pinned memory
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SIGNAL_LAG_S = 2.0  # how long a failed request waits for the stop signal that may have caused it to be seen
 
 
 @dataclass
@@ -69,8 +84,8 @@ class ServerSpec:
     pipeline_parallel_size: int = 1
     engine_kwargs: dict = field(default_factory=dict)
 
-    def bytes_per_token(self) -> int:
-        """A capture file's bytes per prompt token (hidden states of every extracted layer, and the token id)."""
+    def file_bytes_per_token(self) -> int:
+        """A connector file's bytes per prompt token (hidden states of every extracted layer, and the token id)."""
         return len(self.layer_ids) * self.hidden_size * DTYPE_BYTES.get(self.dtype, 4) + 8
 
 
@@ -88,15 +103,51 @@ def serve_args(spec: ServerSpec, storage: str | Path, cuda: bool) -> list[str]:
         kv = {"kv_connector": CONNECTOR, "kv_role": "kv_producer",
               "kv_connector_extra_config": {"shared_storage_path": str(storage), "allow_custom_save_path": True}}
         if not cuda:
-            kv.update(kv_connector=CPU_CONNECTOR, kv_connector_module_path="data_prep.vllm_plugin")
+            kv.update(kv_connector=CPU_CONNECTOR, kv_connector_module_path=VLLM_PLUGIN)
         args += ["--speculative-config", dumps(extract), "--kv-transfer-config", dumps(kv)]
     return args + cli_args(spec.engine_kwargs)
 
 
-def rank_urls(urls: list[str], rank: int, world: int) -> list[str]:
-    """The user's servers a prep rank sends to: urls[rank::world] (each server to one rank), or, with fewer
-    servers than ranks, urls[rank % len(urls)] (ranks share one)."""
-    return list(urls[rank::world]) if len(urls) >= world else [urls[rank % len(urls)]]
+def node_names() -> set[str]:
+    """The names this node answers to, lower-case: its hostname, short and fully qualified, and SLURM's name of it."""
+    host = socket.gethostname()
+    names = {host, host.split(".")[0], socket.getfqdn(), os.environ.get("SLURMD_NODENAME", "")}
+    return {n.lower() for n in names if n}
+
+
+def _addresses(host: str) -> set[str]:
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return set()
+
+
+def is_this_node(host: str, names: set[str]) -> bool:
+    """Whether `host` (a URL's host) is this node: one of its names, a loopback address, or an address its own
+    hostname resolves to."""
+    host = host.lower()
+    if host in names or host.split(".")[0] in names or host in ("localhost", "::1") or host.startswith("127."):
+        return True
+    mine = set().union(*(_addresses(n) for n in names)) - {""}
+    return bool(_addresses(host) & mine)
+
+
+def node_urls(servers: list[tuple[str | None, str]], names: set[str], local_rank: int, local_world: int) -> list[str]:
+    """The user's servers a prep rank sends to: those of its node (an entry node=URL whose node is one of `names`,
+    or a URL whose host is this node), split over the node's ranks (local rank l takes mine[l::local_world], or
+    mine[l % len] when the node has fewer servers than ranks). ConfigError when the node has none: a server's
+    files are written on its own node, where only that node's ranks can read them."""
+    from urllib.parse import urlsplit
+
+    mine = [url for node, url in servers
+            if (node.lower() in names or node.lower().split(".")[0] in names if node is not None
+                else is_this_node(urlsplit(url).hostname or "", names))]
+    if not mine:
+        listed = ", ".join(f"{n}={u}" if n else u for n, u in servers)
+        raise ConfigError(f"vllm.urls has no server on this prep rank's node ({', '.join(sorted(names))}): {listed}. "
+                          "A server writes its hidden-state files on its own node, so each node's ranks need a "
+                          "server there: list one per node (its URL by the node's name or address, or node=URL)")
+    return list(mine[local_rank::local_world]) if len(mine) >= local_world else [mine[local_rank % len(mine)]]
 
 
 def scratch_root(configured: str | None) -> Path:
@@ -112,27 +163,55 @@ class Endpoint:
     where: str = ""  # what an error names: the URL and, for a started server, its log
 
 
+class Silence:
+    """vllm.timeout_s as a bound on a server's silence: `answered()` on every answer; `check()` raises
+    VLLMServerError once neither an answer nor a rise of the servers' token counters came for `timeout_s`."""
+
+    def __init__(self, timeout_s: float, counters: Callable[[], float | None], where: str):
+        self.timeout_s, self.counters, self.where = timeout_s, counters, where
+        self.answered()
+
+    def answered(self) -> None:
+        self.since, self.seen = time.monotonic(), None
+
+    def check(self) -> None:
+        quiet = time.monotonic() - self.since
+        if self.seen is None and quiet >= self.timeout_s / 2:
+            self.seen = self.counters()  # the baseline a later reading is compared with
+        if quiet < self.timeout_s:
+            return
+        now = self.counters()
+        if now is not None and self.seen is not None and now != self.seen:
+            self.since, self.seen = time.monotonic(), now  # working on requests that have not answered yet
+            return
+        raise VLLMServerError(f"{self.where}: no answer and no progress for {self.timeout_s:.0f} s with requests in "
+                              "flight (vllm.timeout_s)")
+
+
 class VLLMClient:
     """A prep rank's vLLM servers (started here, or the user's vllm.urls) and its scratch directory; `with` starts
     them (returns at once: they build while prep goes on) and stops what it started, deleting the scratch."""
 
     def __init__(self, spec: ServerSpec, cfg: VLLMConfig, *, python: str | None, cuda: bool, rank: int, world: int,
-                 local_rank: int, num_devices: int, log_path: Path):
+                 local_rank: int, log_path: Path, local_world: int = 1, num_devices: int = 0,
+                 should_stop: Callable[[], int] | None = None):
         self.spec, self.cfg, self.log_path = spec, cfg, Path(log_path)
-        self.rank, self.timeout_s = rank, cfg.timeout_s
+        self.rank, self.local_world, self.timeout_s = rank, local_world, cfg.timeout_s
+        self.should_stop = should_stop  # the stop signal received, if any (prep's StopSignals)
         self.budget = int(cfg.scratch_gb * 2**30)
-        if spec.layer_ids and spec.max_model_len * spec.bytes_per_token() > self.budget:
-            need = spec.max_model_len * spec.bytes_per_token() / 2**30
+        if spec.layer_ids and spec.max_model_len * spec.file_bytes_per_token() > self.budget:
+            need = spec.max_model_len * spec.file_bytes_per_token() / 2**30
             raise ConfigError(f"vllm.scratch_gb={cfg.scratch_gb} holds less than one sample of max_len "
                               f"({spec.max_model_len - 1} tokens: {need:.2f} GiB of hidden states); raise it")
         self.server: VLLMServer | None = None
+        self.guard: VLLMServer | None = None  # with vllm.urls: the guard alone, removing the scratch
         self.startup_s: float | None = None
         self.devices: str | None = None
         self.scratch: Path | None = None
         if cfg.urls:
             key = os.environ.get(API_KEY_ENV) or None
-            self.endpoints = [Endpoint(u.rstrip("/"), key, where=f"vLLM server {u}")
-                              for u in rank_urls(list(cfg.urls), rank, world)]
+            self.endpoints = [Endpoint(u, key, where=f"vLLM server {u}")
+                              for u in node_urls(cfg.servers(), node_names(), local_rank, local_world)]
         else:
             if python is None:
                 raise ValueError("a started server needs vllm.python")
@@ -142,17 +221,30 @@ class VLLMClient:
             self.endpoints = []
         self._sent = self._files = 0
         self._pool: ThreadPoolExecutor | None = None
+        self._open: set = set()  # the HTTP connections of requests in flight (aborted on close)
 
     # -- lifetime ---------------------------------------------------------------------------------------------
 
     def start(self) -> VLLMClient:
         root = scratch_root(self.cfg.scratch_dir)
         root.mkdir(parents=True, exist_ok=True)
+        if self.spec.layer_ids:
+            free = shutil.disk_usage(root).free
+            if free < self.budget * self.local_world:
+                raise ConfigError(
+                    f"vllm.scratch_gb={self.cfg.scratch_gb} per prep rank x {self.local_world} ranks on this node = "
+                    f"{self.cfg.scratch_gb * self.local_world:g} GiB of node-local scratch, but {root} "
+                    f"(vllm.scratch_dir, else $TMPDIR) has {free / 2**30:.1f} GiB free: lower vllm.scratch_gb or "
+                    "point vllm.scratch_dir at a larger node-local disk")
         self.scratch = Path(tempfile.mkdtemp(prefix=f"drafters-vllm-r{self.rank}-", dir=root))  # this launch's own
         if not self.cfg.urls:
             self.server = VLLMServer(self.python, serve_args(self.spec, self.scratch / "spool", self.cuda),
-                                     log_path=self.log_path, devices=self.devices, scratch=self.scratch).start()
+                                     log_path=self.log_path, devices=self.devices, scratch=self.scratch,
+                                     startup_timeout_s=self.timeout_s).start()
             self.endpoints = [Endpoint(self.server.url, self.server.key, where=self.server.describe())]
+        else:
+            self.guard = VLLMServer(None, None, log_path=Path(os.devnull), scratch=self.scratch,
+                                    grace_s=min(30.0, self.timeout_s)).start()
         self._pool = ThreadPoolExecutor(max_workers=self.cfg.max_in_flight, thread_name_prefix="vllm-request")
         return self
 
@@ -163,9 +255,11 @@ class VLLMClient:
         self.close()
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.close()  # first: requests still in flight fail at once instead of waiting out their deadline
-            self.server = None
+        abort(self._open)  # requests in flight to the user's servers fail at once instead of being waited for
+        for started in (self.server, self.guard):
+            if started is not None:
+                started.close()  # a started server first: its requests still in flight fail at once
+        self.server = self.guard = None
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
@@ -173,17 +267,23 @@ class VLLMClient:
             shutil.rmtree(self.scratch, ignore_errors=True)
             self.scratch = None
 
-    def check_alive(self) -> None:
-        """VLLMServerError at once if a server prep started has exited (vLLM's reason quoted): for long work done
-        beside its startup."""
+    def check_starting(self) -> None:
+        """VLLMServerError at once if a server prep started has exited or is past its start-up deadline (vLLM's
+        reason quoted): for long work done beside its start-up."""
         if self.server is not None:
-            self.server.raise_if_dead(" while starting")
+            self.server.check_starting()
 
     def wait_ready(self) -> float:
-        """Seconds a started server took to become healthy (0 for the user's), once every server answers."""
+        """Seconds a started server took to become healthy (0 for the user's), once every server answers and
+        serves at least prep's max_model_len."""
         self.startup_s = self.server.wait_healthy(self.timeout_s) if self.server is not None else 0.0
         for e in self.endpoints:
-            e.model = served_model(e.url, e.key)
+            card = model_card(e.url, e.key)
+            e.model = str(card["id"])
+            served = card.get("max_model_len")
+            if served is not None and int(served) < self.spec.max_model_len:
+                raise ConfigError(f"{e.where} serves max_model_len {served}, but prep needs {self.spec.max_model_len} "
+                                  "(max_len + 1): start it with --max-model-len of at least that")
         return self.startup_s
 
     @property
@@ -192,34 +292,59 @@ class VLLMClient:
 
     # -- requests ---------------------------------------------------------------------------------------------
 
+    def _stopped(self) -> int:
+        return self.should_stop() if self.should_stop is not None else 0
+
     def _post(self, endpoint: Endpoint, body: dict) -> dict:
         try:
-            return post_json(endpoint.url + "/v1/completions", {"model": endpoint.model, **body},
-                             timeout_s=self.timeout_s, key=endpoint.key, where=endpoint.where)
+            # no deadline on the connection: the client's Silence bounds the wait (a request may queue in vLLM)
+            return post_json(endpoint.url + "/v1/completions", {"model": endpoint.model, **body}, timeout_s=None,
+                             key=endpoint.key, where=endpoint.where, connections=self._open)
         except VLLMServerError as e:
             if self.server is not None:  # a connection dropped by a server on its way out: say that it exited
                 deadline = time.perf_counter() + 10.0
                 while self.server.alive() and time.perf_counter() < deadline:
                     time.sleep(0.1)
-                self.server.raise_if_dead()  # its own message: exited, with vLLM's reason
+                self.server.raise_if_dead()  # its own message: exited, and why
             raise e from None
 
     def _file(self, name: str) -> str:
         assert self.scratch is not None, "start() first"
         return str(self.scratch / f"{name}.safetensors")
 
+    def _progress(self) -> float | None:
+        readings = [progress_counters(e.url) for e in self.endpoints]
+        return None if any(r is None for r in readings) else sum(readings)  # type: ignore[misc]
+
+    def _result(self, future: Future) -> dict:
+        """A finished request's answer; Preempted instead of its error when a stop signal came (SLURM signals the
+        server as well as prep, and vLLM exits on SIGTERM)."""
+        try:
+            return future.result()
+        except VLLMServerError:
+            deadline = time.monotonic() + SIGNAL_LAG_S
+            while not self._stopped() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if self._stopped():
+                raise Preempted(self._stopped()) from None
+            raise
+
     def _stream(self, bodies: Iterable[tuple[dict, int]]) -> Iterator[dict]:
         """Send each (request body, bytes its file will take) and yield the answers in the order sent. At most
         vllm.max_in_flight requests are unanswered at a time (a new one goes out as soon as any is answered, not
         only the oldest), and at most the scratch budget's bytes are outstanding, a request counted from when it is
-        sent until its answer is taken (always at least one request)."""
+        sent until its answer is taken (always at least one request). Waits are bounded by the servers' silence
+        (`Silence`) and end at once on a stop signal (Preempted)."""
         assert self._pool is not None, "start() first"
         pending: deque[tuple[Future, int]] = deque()
         outstanding = 0
         todo = iter(bodies)
         nxt = next(todo, None)
+        silence = Silence(self.timeout_s, self._progress, self.where)
         try:
             while pending or nxt is not None:
+                if self._stopped():
+                    raise Preempted(self._stopped())
                 unanswered = [f for f, _ in pending if not f.done()]
                 while nxt is not None and len(unanswered) < self.cfg.max_in_flight and (
                         not pending or outstanding + nxt[1] <= self.budget):
@@ -231,10 +356,15 @@ class VLLMClient:
                     outstanding += nxt[1]
                     nxt = next(todo, None)
                 if not pending[0][0].done():
-                    wait(unanswered, return_when=FIRST_COMPLETED)  # each request is bounded by vllm.timeout_s
+                    done, _ = wait(unanswered, timeout=1.0, return_when=FIRST_COMPLETED)
+                    if done:
+                        silence.answered()
+                    else:
+                        silence.check()
                     continue
                 future, size = pending.popleft()
-                yield future.result()
+                yield self._result(future)
+                silence.answered()
                 outstanding -= size
         finally:
             for future, _ in pending:
@@ -254,11 +384,13 @@ class VLLMClient:
             if self.spec.layer_ids:  # an extracting server saves every request's prompt states: here, then deleted
                 self._files += 1
                 body["kv_transfer_params"] = {"hidden_states_path": self._file(f"gen-{self._files}")}
-                size = len(ids) * self.spec.bytes_per_token()
+                size = len(ids) * self.spec.file_bytes_per_token()
             bodies.append((body, size))
         out = []
-        for answer in self._stream(bodies):
-            take_file(answer, delete=True)
+        for (body, _), answer in zip(bodies, self._stream(bodies)):
+            asked = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
+            if asked is not None:
+                received_file(answer, asked, self.where).unlink()  # a regeneration's prompt states are not used
             choice = answer["choices"][0]
             out.append({"token_ids": list(map(int, choice["token_ids"])), "finish_reason": choice["finish_reason"]})
         return out
@@ -278,34 +410,36 @@ class VLLMClient:
                     "kv_transfer_params": {"hidden_states_path": self._file(f"cap-{self._files}")}}
             if key in logprobs:
                 body["prompt_logprobs"] = 1
-            bodies.append((body, len(ids) * self.spec.bytes_per_token()))
-        for (key, _), answer in zip(items, self._stream(bodies)):
-            path = take_file(answer)
-            if path is None:
-                raise VLLMServerError(f"{self.where}: no hidden_states_path in its answer for sample {key!r}: is it "
-                                      "serving with the hidden-state extraction (docs/scaling.md)?")
+            bodies.append((body, len(ids) * self.spec.file_bytes_per_token()))
+        for (key, _), (body, _), answer in zip(items, bodies, self._stream(bodies)):
+            path = received_file(answer, body["kv_transfer_params"]["hidden_states_path"], self.where, key)
             try:
                 yield key, path, next_tokens(answer)
             finally:
                 path.unlink(missing_ok=True)
 
 
-def take_file(answer: dict, delete: bool = False) -> Path | None:
-    """The connector file of a finished request, once its writer has released it (None: no extraction); `delete`:
-    removed at once (a regeneration request's prompt states)."""
+def received_file(answer: dict, asked: str, where: str, key: str | None = None) -> Path:
+    """The connector file a finished request asked for (`asked`), once its writer has released it. VLLMServerError
+    when the answer names no file or another one (a server without `allow_custom_save_path` writes into its own
+    directory, outside this launch's scratch and its byte budget: that file is not this prep's to read or delete),
+    or when the file is not there (a server on another node)."""
     path = (answer.get("kv_transfer_params") or {}).get("hidden_states_path")
+    sample = f" for sample {key!r}" if key is not None else ""
     if path is None:
-        return None
+        raise VLLMServerError(f"{where}: no hidden_states_path in its answer{sample}: is it serving with the "
+                              "hidden-state extraction (docs/scaling.md)?")
+    if os.path.abspath(path) != os.path.abspath(asked):
+        raise VLLMServerError(f"{where} wrote hidden states to {path}, not to {asked} as asked{sample}: start it with "
+                              "the connector's allow_custom_save_path (docs/scaling.md); the file was left alone")
     lock = Path(path + ".lock")
     if lock.exists():
         with open(lock) as f:  # the connector's writer holds it exclusively until the file is written
             fcntl.flock(f, fcntl.LOCK_SH)
         lock.unlink(missing_ok=True)
     if not Path(path).exists():
-        raise VLLMServerError(f"the vLLM server wrote its hidden states to {path}, which this prep rank cannot read: "
-                              "a server of vllm.urls must run on the prep rank's node (its files are node-local)")
-    if delete:
-        Path(path).unlink()
+        raise VLLMServerError(f"{where} wrote its hidden states to {path}, which this prep rank cannot read: a server "
+                              "of vllm.urls must run on the prep rank's node (its files are node-local)")
     return Path(path)
 
 

@@ -43,14 +43,16 @@ def _version_tuple(v: str) -> tuple[int, ...]:
 
 
 def check() -> dict:
-    """What --check prints: {"ok", "version", "needed", "reason", "cuda"}; imports vLLM, loads no weights. `cuda`:
-    whether this vLLM sees a CUDA device (else its server captures through CPUHiddenStatesConnector)."""
+    """What --check prints: {"ok", "version", "needed", "reason", "cuda", "device_count"}; imports vLLM, loads no
+    weights. `cuda`: whether this vLLM sees a CUDA device (else its server captures through CPUHiddenStatesConnector);
+    `device_count`: how many."""
     try:
         import vllm
     except Exception as e:  # noqa: BLE001 - any import failure means this python cannot capture
         return {"ok": False, "version": None, "needed": MIN_VLLM, "reason": f"import vllm failed: {e!r}"}
     version = getattr(vllm, "__version__", "0")
-    out = {"ok": True, "version": version, "needed": MIN_VLLM, "reason": "", "cuda": _cuda()}
+    count = _cuda_devices()
+    out = {"ok": True, "version": version, "needed": MIN_VLLM, "reason": "", "cuda": count > 0, "device_count": count}
     if _version_tuple(version) < _version_tuple(MIN_VLLM):
         out.update(ok=False, reason=f"vLLM {version} is older than {MIN_VLLM}")
         return out
@@ -64,13 +66,15 @@ def check() -> dict:
     return out
 
 
-def _cuda() -> bool:
+def _cuda_devices() -> int:
+    """The CUDA devices vLLM's own torch sees on this node (0: none, a CPU build): where prep's servers go, whatever
+    torch prep itself runs with (a CPU-only prep venv sees none)."""
     try:
         import torch
 
-        return bool(torch.cuda.is_available())
+        return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
     except Exception:  # noqa: BLE001
-        return False
+        return 0
 
 
 def __getattr__(name: str):

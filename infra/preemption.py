@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 from types import FrameType
 
 PREEMPTED = 75  # EX_TEMPFAIL: the exit status of a run stopped by STOP_SIGNALS, resumable
@@ -101,18 +100,11 @@ def signal_name(signum: int) -> str | None:
 
 
 def die_with_launcher() -> None:
-    """Under torchrun (Linux): SIGKILL this process when its parent, the launcher, dies (prctl PR_SET_PDEATHSIG):
-    torchrun starts each worker in a session of its own, so a kill -9 of the launcher would otherwise leave the
-    workers training (writing checkpoints a resume started afterwards races). Only under torchrun: a plain
-    `python launch/...` started in the background still outlives its shell."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
+    """Under torchrun (Linux): SIGKILL this process when its parent, the launcher, dies (infra/processes.py
+    die_with_parent): torchrun starts each worker in a session of its own, so a kill -9 of the launcher would
+    otherwise leave the workers training (writing checkpoints a resume started afterwards races). Only under
+    torchrun: a plain `python launch/...` started in the background still outlives its shell."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        from infra.processes import die_with_parent
 
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
-        return  # best effort: a kernel that refuses it leaves the old behaviour
-    if os.getppid() != parent:  # the launcher died between the two calls
-        os.kill(os.getpid(), signal.SIGKILL)
+        die_with_parent(signal.SIGKILL, parent=os.getppid())

@@ -1,4 +1,5 @@
-"""How every launcher ends on a user's mistake: the message once, by rank 0, without a traceback, exit status 2.
+"""How every launcher ends on a user's mistake (the message once, by rank 0, without a traceback, exit status 2) and
+on a serving engine's failure (the message by the rank that saw it, exit status 3).
 
     @hydra_main(config_path=..., config_name=...)   # hydra.main, version_base 1.3, with user errors reported
     def main(raw) -> None: ...
@@ -10,6 +11,12 @@ broken (non-finite weights) or foreign, a bad prompts file. Its message names th
 target and the remedy, so a traceback adds nothing; under torchrun every rank meets it, and only rank 0
 prints it (each rank still exits with `USER_ERROR`, which torchrun's failure report lists per rank; torchrun
 itself then exits 1). A `SystemExit` with a message (a launcher's own deliberate stop) is reported the same way.
+
+An engine error is one of `ENGINE_ERRORS`: a vLLM server that exited, refused a request, went silent, sent a torn
+answer or wrote a file that is not the one asked for. It happens to one rank (its own server, its own requests),
+so the rank that saw it prints it, once, naming the rank and its host; the message names the server's URL and log
+and quotes vLLM's root cause. Exit status `ENGINE_ERROR`: neither the user's mistake nor a bug of ours.
+
 Anything else is a bug and keeps its traceback (exit status 1).
 
 Python warnings are shown by rank 0 only, each text once: every rank computes the same ones, and one copy per
@@ -26,6 +33,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 USER_ERROR = 2  # the exit status of a known user error (argparse uses 2 for usage errors too)
+ENGINE_ERROR = 3  # the exit status of a serving engine's failure
 
 # "module:Class"; looked up in sys.modules only: an exception of a class whose module was never imported cannot
 # have been raised, so checking costs no import (and launch/ stays free of the packages' import order).
@@ -39,9 +47,6 @@ USER_ERRORS = (
     "data_prep.fidelity:FidelityError",
     "data_prep.regenerate:RegenerationError",  # the regeneration server cannot be used at all (URL, error)
     "infra.vllm_server:VLLMUnavailable",  # vllm.python missing, without vLLM, or too old
-    # a vLLM server that exited, refused its settings or did not answer in time: its URL, log and vLLM's reason
-    "infra.vllm_server:VLLMServerError",
-    "data_prep.vllm_capture:VLLMCaptureError",  # a server's file is not its sample's (e.g. other layers extracted)
     "train.online:TargetMismatch",
     "train.plan:PlanError",
     "models.export:ExportError",
@@ -49,6 +54,12 @@ USER_ERRORS = (
     "hydra.errors:CompactHydraException",  # a bad override, an unknown config group or key
     "omegaconf.errors:OmegaConfBaseException",  # a missing (???) or ill-typed value
     "builtins:FileNotFoundError",
+)
+ENGINE_ERRORS = (
+    # a vLLM server that exited, refused a request or its settings, went silent or sent a torn answer: its URL, log
+    # and vLLM's reason
+    "infra.vllm_server:VLLMServerError",
+    "data_prep.vllm_capture:VLLMCaptureError",  # a server's file is not its sample's (other layers, another dtype)
 )
 # What a message starts with, by the class it is an instance of (first match), so the kind of mistake shows.
 PREFIXES = (("ConfigError", "config error"), ("CompactHydraException", "config error"),
@@ -61,9 +72,9 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def user_error_classes() -> tuple[type[BaseException], ...]:
+def user_error_classes(refs: tuple[str, ...] = USER_ERRORS) -> tuple[type[BaseException], ...]:
     found = []
-    for ref in USER_ERRORS:
+    for ref in refs:
         module, _, name = ref.partition(":")
         cls = getattr(sys.modules.get(module), name, None)
         if isinstance(cls, type) and issubclass(cls, BaseException):
@@ -96,7 +107,15 @@ def user_errors(main: F, full: bool = False) -> F:
                 print(e.code, file=sys.stderr, flush=True)
             raise SystemExit(USER_ERROR) from None
         except Exception as e:
-            if full or not isinstance(e, user_error_classes()):
+            if full:
+                raise
+            if isinstance(e, user_error_classes(ENGINE_ERRORS)):
+                import socket
+
+                print(f"engine error on rank {rank()} of {os.environ.get('WORLD_SIZE', '1')} ({socket.gethostname()}): "
+                      f"{str(e).strip()}", file=sys.stderr, flush=True)
+                raise SystemExit(ENGINE_ERROR) from None
+            if not isinstance(e, user_error_classes()):
                 raise
             if rank() == 0:
                 print(describe(e), file=sys.stderr, flush=True)

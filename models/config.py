@@ -1,8 +1,8 @@
 """What every drafter family's config takes from the target: its geometry and RoPE (`target_geometry`,
 `rope_from_hf`), the checks every family's config runs on them (`check_geometry`, `check_layer_ids`), the
-length a drafter is exported for (`for_trained_length`), and the pre-flight check prep runs (`check_target`:
-those same checks, on the target's config). Each family's own config lives with its model (models/eagle3.py,
-eagle1.py, dflash.py), which builds on this module; this module imports no family.
+length a drafter is exported for (`for_trained_length`), and the pre-flight check prep runs
+(`check_trainable_target`: those same checks, on the target's config). Each family's own config lives with its
+model (models/eagle3.py, eagle1.py, dflash.py), which builds on this module; this module imports no family.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ GEOMETRY_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", 
 def check_geometry(cfg: Any, what: str, positive: tuple[str, ...] = ()) -> None:
     """Raise ValueError(f"{what}: ...") where a drafter config's Llama-block geometry (the fields
     `target_geometry` gives every family, head_dim resolved; plus the family's own `positive` int fields) cannot
-    be built: what every family's `validate` and prep's `check_target` check, once."""
+    be built: what every family's `validate` and prep's `check_trainable_target` check, once."""
     def need(ok: bool, msg: str) -> None:
         if not ok:
             raise ValueError(f"{what}: {msg}")
@@ -162,7 +162,7 @@ def check_layer_ids(ids: list[int], num_layers: int | None, what: str, name: str
         need(max(ids) < num_layers, f"{name} {ids} out of range for a {num_layers}-layer target")
 
 
-def check_target(hf_config: dict[str, Any], tap_layers: list[int]) -> None:
+def check_trainable_target(hf_config: dict[str, Any], tap_layers: list[int]) -> None:
     """Raise what training will raise when it builds a drafter (any family) for this target reading
     `tap_layers`: its geometry and RoPE layout (`target_geometry`, `check_geometry`) and the tap ids
     (`check_layer_ids`), by the code every family's config validates with. Prep calls it before the target's

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -30,18 +29,14 @@ import train_runs
 from safetensors.torch import load_file
 from synthetic_prep import write_synthetic_prep
 
+from infra.processes import free_port
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
 # train_runs' recipe with the export on: it is written once, by rank 0 of node 0
 COMMON = [a.replace("train.export=false", "train.export=true") for a in train_runs.COMMON]
 LOSS_RTOL = 1e-5  # 2 nodes x 1 against 1 x 2 (the same ranks and reduction: measured bit-identical)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def clean_env(**extra: str) -> dict[str, str]:

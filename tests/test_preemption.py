@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from synthetic_prep import write_synthetic_prep
 
 from infra.preemption import PREEMPTED
+from infra.processes import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -39,14 +40,6 @@ COMMON = [
     "train.warmup_steps=1",
     "deepspeed.zero_stage=3", "deepspeed.stage3_param_persistence_threshold=0",
 ]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def clean_env(**extra: str) -> dict[str, str]:

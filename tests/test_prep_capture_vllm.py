@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from vllm_standin import standin_python
 from data_prep.config import PrepConfig
 from data_prep.shards import ShardSet, completed_sample_ids
 from data_prep.vllm_capture import VLLMCaptureError, aux_layer_ids
+from data_prep.vllm_client import VLLM_PLUGIN
 from data_prep.vllm_plugin import MIN_VLLM
 from infra.vllm_server import VLLMUnavailable, check_vllm, resolve_python
 
@@ -119,15 +121,15 @@ def test_missing_vllm_is_named_before_anything_loads(tmp_path: Path, monkeypatch
     with pytest.raises(VLLMUnavailable, match=r"vllm.python='/nonexistent/python' is not an executable"):
         resolve_python("/nonexistent/python")
     # this venv's python runs the real worker's check: no vllm to import
-    with pytest.raises(VLLMUnavailable, match=rf"has vLLM none; prep needs vLLM >= {MIN_VLLM}.*import vllm"):
-        check_vllm(sys.executable)
+    with pytest.raises(VLLMUnavailable, match=rf"has vLLM none; this needs vLLM >= {MIN_VLLM}.*import vllm"):
+        check_vllm(sys.executable, VLLM_PLUGIN)
     # an older vLLM (a package that says so, first on the path) is named with the version needed
     fake = tmp_path / "site" / "vllm"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text('__version__ = "0.10.1"\n')
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
-    with pytest.raises(VLLMUnavailable, match=rf"has vLLM 0.10.1; prep needs vLLM >= {MIN_VLLM}"):
-        check_vllm(sys.executable)
+    with pytest.raises(VLLMUnavailable, match=rf"has vLLM 0.10.1; this needs vLLM >= {MIN_VLLM}"):
+        check_vllm(sys.executable, VLLM_PLUGIN)
 
 
 def test_prep_refuses_missing_vllm_before_loading_the_target(tmp_path: Path, tiny_target_dir: Path,
@@ -141,7 +143,7 @@ def test_prep_refuses_missing_vllm_before_loading_the_target(tmp_path: Path, tin
     with pytest.raises(VLLMUnavailable, match="vllm.python='/nonexistent/python'"):
         run_prep(tmp_path / "p", str(tiny_target_dir), str(tiny_sharegpt_file), num_samples=4, eval_samples=2,
                  **{"regen.enabled": False, "capture.engine": "vllm", "vllm.python": "/nonexistent/python"})
-    with pytest.raises(VLLMUnavailable, match="vLLM 0.9.0; prep needs"):
+    with pytest.raises(VLLMUnavailable, match="vLLM 0.9.0; this needs"):
         monkeypatch.setenv("STANDIN_VERSION", "0.9.0")
         run_prep(tmp_path / "q", str(tiny_target_dir), str(tiny_sharegpt_file), num_samples=4, eval_samples=2,
                  **{"regen.enabled": False, "capture.engine": "vllm", "vllm.python": standin(tmp_path)})
@@ -185,9 +187,11 @@ def test_vllm_engine_prep_writes_the_hf_capture_and_resumes(tmp_path: Path, tiny
                                                      "out": out}.items()]
     proc = subprocess.run([sys.executable, str(ROOT / "launch" / "prep.py"), *args], capture_output=True, text=True,
                           cwd=ROOT, env={**os.environ, "STANDIN_FAIL_AFTER": "5"}, timeout=600)
-    # one message naming the server and its log, no traceback, the user-error status
-    assert proc.returncode == 2 and "vLLM server http://127.0.0.1:" in proc.stderr, proc.stderr[-3000:]
-    assert "exited" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    # one message by the rank that saw it, naming the server, its log and how it ended; no traceback; an engine error
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert proc.stderr.count("engine error on rank 0 of 1") == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r"vLLM server http://127.0.0.1:\d+ \(log: .*vllm.r0.log\) exited: the server exited with status 3",
+                     proc.stderr), proc.stderr[-3000:]
     written = completed_sample_ids(out / "train") | completed_sample_ids(out / "eval")
     assert len(written) == 3  # one sample per shard: each recorded as soon as it is written
     assert scratch.is_dir() and not list(scratch.iterdir())  # the launch's scratch went with it
@@ -583,3 +587,117 @@ def test_real_vllm_kill_9_leaves_no_vllm_process_and_sigterm_resumes_equal(tmp_p
             for a, b in ((o.taps, r.taps), (o.teacher_hidden, r.teacher_hidden)):
                 torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=REL_TOL * float(b.abs().max()))
     assert not list((tmp_path / "scratch").iterdir())
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and every process descended from it (the processes a SLURM job step holds)."""
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                stat = (proc / "stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(proc.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def _signal_tree(pid: int, sig: int) -> list[int]:
+    """SLURM's way: the signal to every process of the step at once (prep, the guard, the server, its engine)."""
+    import signal as _signal  # noqa: F401 - sig is a signal number
+
+    pids = _tree(pid)
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("stage", "signame"), [("capture", "SIGUSR1"), ("capture", "SIGTERM"),
+                                                ("regeneration", "SIGUSR1"), ("regeneration", "SIGTERM")])
+def test_a_step_wide_signal_stops_prep_cleanly_and_the_rerun_is_equal(tmp_path: Path, tiny_target_dir: Path,
+                                                                      tiny_sharegpt_file: Path, stage: str,
+                                                                      signame: str) -> None:
+    """SIGUSR1 or SIGTERM to every process of the step during a vLLM regeneration or capture (SLURM's --signal=USR1@N,
+    or its SIGTERM at the time limit): the server ignores SIGUSR1 and exits on SIGTERM, as vLLM does; prep exits 75
+    either way, with what it finished recorded, nothing of its servers left running and its scratch gone; the rerun
+    gives the uninterrupted prep's replies and shards, every sample once."""
+    import signal
+
+    common = {"num_samples": 6, "eval_samples": 2, "regen.max_new_tokens": 12, "regen.batch_size": 1,
+              "capture.tap_layers": [1, 3, 7], "draft_vocab_count": "train", "capture.tokens_per_shard": 1}
+    hf = run_prep(tmp_path / "hf", str(tiny_target_dir), str(tiny_sharegpt_file), **common)
+    log = tmp_path / "standin.log"
+    scratch = tmp_path / "scratch"
+    cfg = {**common, "regen.backend": "vllm", "capture.engine": "vllm", "vllm.python": standin(tmp_path),
+           "vllm.max_in_flight": 2, "vllm.scratch_dir": str(scratch)}
+    out = tmp_path / "vllm"
+    proc = _prep_process(out, tiny_target_dir, tiny_sharegpt_file, {"STANDIN_LOG": str(log), "STANDIN_SLOW_S": "0.4"},
+                         **cfg)
+    _wait_for(log, "capture sample\ncapture sample" if stage == "capture" else "generate\ngenerate", proc)
+    pids = _signal_tree(proc.pid, getattr(signal, signame))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    assert "Traceback" not in err and "engine error" not in err, err[-3000:]
+    assert _gone(pids), "a process of prep's step outlived its stop"
+    assert not list(scratch.iterdir())
+    summary = run_prep(out, str(tiny_target_dir), str(tiny_sharegpt_file), **cfg)
+    assert _replies(out) == _replies(tmp_path / "hf")
+    assert summary["samples"] == hf["samples"] and summary["tokens"] == hf["tokens"]
+    _assert_same_shards(out, tmp_path / "hf", "hidden")  # every sample once
+
+
+@pytest.mark.integration
+def test_a_failing_server_of_rank_1_is_named_by_rank_1(tmp_path: Path, tiny_target_dir: Path,
+                                                       tiny_sharegpt_file: Path) -> None:
+    """Two ranks, each with its own server (GPUs 0 and 1 as vLLM counts them); rank 1's crashes: rank 1 prints one
+    message naming itself, the server, its log and vLLM's reason, and exits with the engine-error status; no other
+    rank claims the error."""
+    env = {**os.environ, "STANDIN_DEVICES": "2", "STANDIN_FAIL_DEVICES": "1", "OMP_NUM_THREADS": "1"}
+    args = [f"{k}={v}" for k, v in {"num_samples": 6, "eval_samples": 2, "regen.max_new_tokens": 8,
+                                    "regen.backend": "vllm", "capture.engine": "vllm", "draft_vocab_count": "train",
+                                    "vllm.python": standin(tmp_path), "capture.tap_layers": "[1,3,7]",
+                                    "model": tiny_target_dir, "data": tiny_sharegpt_file,
+                                    "out": tmp_path / "p"}.items()]
+    from infra.processes import free_port
+
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(ROOT / "launch" / "prep.py"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    err = done.stderr
+    assert done.returncode != 0
+    assert err.count("engine error on rank 1 of 2") == 1 and "engine error on rank 0" not in err, err[-4000:]
+    line = next(x for x in err.splitlines() if "engine error on rank 1 of 2" in x)
+    assert re.search(r"vLLM server http://127.0.0.1:\d+ \(log: .*/p/vllm.r1.log\) exited: RuntimeError: CUDA error: "
+                     r"an illegal memory access was encountered", line), line
+    assert "exitcode  : 3" in err  # torchrun's report of rank 1: the engine-error status
+
+
+@pytest.mark.integration
+def test_a_users_server_in_another_dtype_is_refused_naming_both(tmp_path: Path, tiny_target_dir: Path,
+                                                                tiny_sharegpt_file: Path, monkeypatch) -> None:
+    from data_prep.vllm_capture import engine_layer_ids
+    from data_prep.vllm_client import ServerSpec, serve_args
+    from infra.vllm_server import VLLMServer
+
+    spec = ServerSpec(model=str(tiny_target_dir), dtype="bfloat16", max_model_len=2049, hidden_size=64,
+                      layer_ids=engine_layer_ids([1, 3, 7], 8))
+    with VLLMServer(standin(tmp_path), serve_args(spec, tmp_path / "spool", cuda=False),
+                    log_path=tmp_path / "server.log") as server:
+        server.wait_healthy(120)
+        proc = _prep_process(tmp_path / "p", tiny_target_dir, tiny_sharegpt_file, {"OPENAI_API_KEY": server.key},
+                             num_samples=4, eval_samples=2, dtype="float32", draft_vocab_count="train",
+                             **{"regen.enabled": False, "capture.engine": "vllm", "capture.tap_layers": "[1,3,7]",
+                                "vllm.urls": f"[{server.url}]"})
+        _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 3 and "Traceback" not in err, err[-3000:]
+    assert re.search(r"vLLM server http://127.0.0.1:\d+ computes in bfloat16, prep in float32 .*start it with --dtype "
+                     r"float32", err), err[-3000:]

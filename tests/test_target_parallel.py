@@ -214,9 +214,8 @@ json.dump({"zero3_loads": len(calls), "zero_inits": len(inits), "partitioned": a
 def test_zero3_target_is_partitioned_as_it_loads(tmp_path, tiny_prep_dir) -> None:
     """2 processes: transformers loads the checkpoint into ZeRO-3 partitioned parameters (its zero3 loader runs, each
     rank holds half of every tensor), drops its DeepSpeed config afterwards, and the features are a whole copy's."""
-    from train_runs import free_port
-
     from data_prep.rendered import RenderedSet
+    from infra.processes import free_port
     from train.config import DataConfig
     from train.online import load_frozen_target
 

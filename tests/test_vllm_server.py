@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from data_prep.config import PrepConfig, VLLMConfig
-from data_prep.vllm_client import ServerSpec, VLLMClient, rank_urls, serve_args
+from data_prep.vllm_client import ServerSpec, VLLMClient, node_urls, serve_args
 from infra.vllm_server import (
     TORCHRUN_VARS,
     VLLMServerError,
@@ -67,11 +67,35 @@ def test_device_groups_follow_the_nodes_own_visible_devices_and_refuse_too_many_
     assert device_group(0, 1, num_devices=0) is None  # a CPU build: no devices to name
 
 
-def test_the_users_servers_are_split_over_the_ranks() -> None:
-    urls = [f"http://n{i}:8000" for i in range(4)]
-    assert [rank_urls(urls, r, 2) for r in range(2)] == [urls[0::2], urls[1::2]]
-    assert [rank_urls(urls, r, 4) for r in range(4)] == [[u] for u in urls]
-    assert [rank_urls(urls[:1], r, 3) for r in range(3)] == [urls[:1]] * 3  # fewer servers than ranks: shared
+def test_the_users_servers_are_matched_to_ranks_by_node() -> None:
+    """vllm.urls: a rank takes the servers of its own node (by the URL's host, or node=URL), whatever its global
+    rank (c10d rendezvous numbers nodes in join order), split over the node's ranks; a node without one is refused."""
+    from infra.config_keys import ConfigError
+
+    cfg = VLLMConfig(urls=["http://node-a:8000", "http://node-b:8000", "http://node-b:8001", "gpu7=http://10.9.9.9:80"])
+    servers = cfg.servers()
+    assert servers[3] == ("gpu7", "http://10.9.9.9:80")
+    names_b = {"node-b", "node-b.cluster"}
+    assert [node_urls(servers, names_b, r, 2) for r in range(2)] == [["http://node-b:8000"], ["http://node-b:8001"]]
+    assert [node_urls(servers, names_b, r, 1) for r in range(1)] == [["http://node-b:8000", "http://node-b:8001"]]
+    assert [node_urls(servers, {"node-a"}, r, 3) for r in range(3)] == [["http://node-a:8000"]] * 3  # shared
+    assert node_urls(servers, {"gpu7"}, 0, 1) == ["http://10.9.9.9:80"]  # node=URL: the node's name decides
+    assert node_urls(VLLMConfig(urls=["http://127.0.0.1:8000"]).servers(), {"any"}, 0, 1) == ["http://127.0.0.1:8000"]
+    with pytest.raises(ConfigError, match=r"vllm.urls has no server on this prep rank's node \(node-c\): "
+                                          r"http://node-a:8000, .*gpu7=http://10.9.9.9:80"):
+        node_urls(servers, {"node-c"}, 0, 1)
+
+
+def test_the_nodes_own_names_and_addresses_match_its_urls(monkeypatch) -> None:
+    import socket
+
+    from data_prep.vllm_client import is_this_node, node_names
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-b.cluster")
+    monkeypatch.setenv("SLURMD_NODENAME", "nb")
+    assert {"node-b", "node-b.cluster", "nb"} <= node_names()
+    assert is_this_node("NODE-B", node_names()) and is_this_node("localhost", set())
+    assert not is_this_node("node-a.invalid", {"node-b"})
 
 
 def test_serve_args_extract_the_taps_and_take_the_users_engine_arguments() -> None:
@@ -102,6 +126,12 @@ def test_scratch_must_hold_one_sample(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"vllm.scratch_gb=0.5 holds less than one sample of max_len \(40000 tokens"):
         VLLMClient(spec, VLLMConfig(scratch_gb=0.5), python="/x", cuda=False, rank=0, world=1, local_rank=0,
                    num_devices=0, log_path=tmp_path / "vllm.log")
+    # the node's ranks together: scratch_gb x ranks per node must be free on the scratch's filesystem
+    client = VLLMClient(spec, VLLMConfig(scratch_gb=2.0, scratch_dir=str(tmp_path)), python="/x", cuda=False, rank=0,
+                        world=1, local_rank=0, local_world=1_000_000, log_path=tmp_path / "vllm.log")
+    with pytest.raises(ConfigError, match=r"vllm.scratch_gb=2.0 per prep rank x 1000000 ranks on this node = 2e\+06 "
+                                          r"GiB of node-local scratch, but .* GiB free"):
+        client.start()
 
 
 def test_a_relative_vllm_python_is_taken_from_the_working_directory(tmp_path: Path, monkeypatch) -> None:
@@ -115,24 +145,59 @@ def test_a_relative_vllm_python_is_taken_from_the_working_directory(tmp_path: Pa
         resolve_python("nope/python")
 
 
-def test_config_refusals_for_the_servers() -> None:
-    for key, value, message in [("urls", ["n1:8000"], "vllm.urls must be http"),
-                                ("timeout_s", 0, "vllm.timeout_s must be > 0"),
-                                ("max_in_flight", 0, "vllm.max_in_flight must be >= 1"),
-                                ("scratch_gb", -1, "vllm.scratch_gb must be > 0"),
-                                ("capture_fidelity", "x", "vllm.capture_fidelity must be engine|hf")]:
-        cfg = PrepConfig(out="x")
-        cfg.capture.engine = "vllm"
-        setattr(cfg.vllm, key, value)
-        with pytest.raises(ValueError, match=message):
-            cfg.validate()
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("urls", ["n1:8000"], "vllm.urls entry 'n1:8000' is not http"),
+    ("urls", ["localhost:8000"], "vllm.urls entry 'localhost:8000' is not http"),
+    ("urls", ["http://n1"], r"vllm.urls entry 'http://n1' is not http\(s\)://host:port"),
+    ("urls", ["=http://n1:80"], "vllm.urls entry '=http://n1:80'"),
+    ("timeout_s", 0, "vllm.timeout_s must be > 0"),
+    ("timeout_s", -5, "vllm.timeout_s must be > 0"),
+    ("max_in_flight", 0, "vllm.max_in_flight must be >= 1"),
+    ("scratch_gb", -1, "vllm.scratch_gb must be > 0"),
+    ("capture_fidelity", "x", "vllm.capture_fidelity must be engine|hf"),
+    ("engine_kwargs", {"model": "x"}, r"vllm.engine_kwargs sets \['model'\]"),
+])
+def test_config_refusals_for_the_servers(key: str, value, message: str) -> None:
+    """Every bad vllm.* value is a ConfigError naming the key (a user error: exit 2, no traceback)."""
+    from infra.config_keys import ConfigError
+
     cfg = PrepConfig(out="x")
-    cfg.capture.engine, cfg.vllm.urls, cfg.vllm.tensor_parallel_size = "vllm", ["http://n1:8000"], 8
-    with pytest.raises(ValueError, match="vllm.urls names servers already running"):
+    cfg.capture.engine = "vllm"
+    setattr(cfg.vllm, key, value)
+    with pytest.raises(ConfigError, match=message):
         cfg.validate()
 
 
-def test_vllms_own_reason_is_quoted_from_its_log(tmp_path: Path) -> None:
+def test_the_users_servers_take_no_engine_settings() -> None:
+    from infra.config_keys import ConfigError
+
+    for extra in ({"tensor_parallel_size": 8}, {"engine_kwargs": {"enforce_eager": True}}):
+        cfg = PrepConfig(out="x")
+        cfg.capture.engine, cfg.vllm.urls = "vllm", ["http://n1:8000"]
+        for k, v in extra.items():
+            setattr(cfg.vllm, k, v)
+        with pytest.raises(ConfigError, match="vllm.urls names servers already running"):
+            cfg.validate()
+
+
+VLLM_LOGS = Path(__file__).resolve().parent / "data" / "vllm_logs"
+
+
+@pytest.mark.parametrize(("log", "reason"), [
+    # vLLM 0.32's own log of an engine core that failed to start: the root cause, not the wrappers around it
+    ("engine_core_failed.log", "ValueError: Available memory on node 0 (21.25/23.54 GiB) on kv cache allocation is "
+                               "less than requested memory for kv (500.0 GiB)."),
+    # vllm serve refusing an engine argument (`+vllm.engine_kwargs.foo=1`): argparse's line, no Python error
+    ("unrecognized_argument.log", "vLLM refused its command line: unrecognized arguments: --foo"),
+    # a start-up warning that quotes an error it fears is no reason
+    ("warning_only.log", None),
+])
+def test_vllms_root_cause_is_quoted_from_its_log(log: str, reason: str | None) -> None:
+    got = reason_from_log(VLLM_LOGS / log)
+    assert (got if reason is None else got[: len(reason)]) == reason, got
+
+
+def test_a_plain_error_line_is_its_reason(tmp_path: Path) -> None:
     log = tmp_path / "vllm.log"
     log.write_text("INFO starting\n(APIServer pid=1) Traceback (most recent call last):\n  File x\n"
                    "(APIServer pid=1) ValueError: Total number of attention heads (9) must be divisible by tensor "
@@ -230,15 +295,65 @@ def test_a_started_server_gets_its_rank_devices_and_no_torchrun_variables(tmp_pa
 @pytest.mark.integration
 def test_a_server_that_accepts_and_never_answers_fails_within_the_deadline(tmp_path: Path, tiny_target_dir: Path,
                                                                           monkeypatch) -> None:
+    """vllm.timeout_s bounds a server's silence: requests in flight, no answer and no progress on its counters."""
     monkeypatch.setenv("STANDIN_HANG", "1")
     with _client(tmp_path, tiny_target_dir, tmp_path / "standin.log") as client:
         client.wait_ready()
-        client.timeout_s = 3  # vllm.timeout_s bounds each request (here shorter than the stand-in's start-up)
+        client.timeout_s = 3  # vllm.timeout_s (here shorter than the stand-in's start-up)
         start = time.perf_counter()
-        with pytest.raises(VLLMServerError, match=r"vLLM server http://127.0.0.1:\d+ \(log: .*vllm.log\) did not "
-                                                  r"answer within 3 s \(vllm.timeout_s\)"):
+        with pytest.raises(VLLMServerError, match=r"vLLM server http://127.0.0.1:\d+ \(log: .*vllm.log\): no answer "
+                                                  r"and no progress for 3 s with requests in flight \(vllm.timeout_s\)"):
             client.generate([[1, 2, 3]] * 4, max_tokens=3)
         assert time.perf_counter() - start < 30  # the deadline, not the stand-in's hour
+
+
+@pytest.mark.integration
+def test_a_long_queue_that_makes_progress_is_not_silence(tmp_path: Path, tiny_target_dir: Path, monkeypatch) -> None:
+    """Requests answered one at a time, each after 1.5 s of work, 4 in flight: the last answer comes ~6 s after it was
+    sent, past vllm.timeout_s=3, but the server's token counters rise all along: no error, every answer."""
+    monkeypatch.setenv("STANDIN_SLOW_S", "1.5")
+    spec = ServerSpec(model=str(tiny_target_dir), dtype="float32", max_model_len=256, hidden_size=64,
+                      layer_ids=[2, 4, 8])
+    client = VLLMClient(spec, VLLMConfig(scratch_dir=str(tmp_path / "scratch"), max_in_flight=4, timeout_s=3),
+                        python=standin_python(tmp_path), cuda=False, rank=0, world=1, local_rank=0,
+                        log_path=tmp_path / "vllm.log")
+    with client:
+        client.timeout_s = 120
+        client.wait_ready()
+        client.timeout_s = 3
+        start = time.perf_counter()
+        got = [key for key, _, _ in client.capture([(str(i), [1, 2, 3, i + 4]) for i in range(4)])]
+        assert got == ["0", "1", "2", "3"] and time.perf_counter() - start > 5
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("how", ["torn", "another path"])
+def test_a_torn_answer_or_a_foreign_file_is_an_error_naming_the_server(tmp_path: Path, tiny_target_dir: Path,
+                                                                      monkeypatch, how: str) -> None:
+    """An answer cut short is an engine error naming the server (not a raw IncompleteRead); a server that wrote its
+    file elsewhere than asked (no allow_custom_save_path) is refused, its file left alone."""
+    from data_prep.vllm_client import received_file
+
+    if how == "torn":
+        monkeypatch.setenv("STANDIN_TORN", "1")
+    spec = ServerSpec(model=str(tiny_target_dir), dtype="float32", max_model_len=256, hidden_size=64,
+                      layer_ids=[2, 4, 8])
+    with _client(tmp_path, tiny_target_dir, tmp_path / "standin.log") as client:
+        client.spec = spec
+        client.wait_ready()
+        if how == "torn":
+            with pytest.raises(VLLMServerError, match=r"vLLM server http://127.0.0.1:\d+ \(log: .*\) sent a torn "
+                                                      r"answer \(IncompleteRead"):
+                list(client.capture([("a", [1, 2, 3])]))
+            return
+    elsewhere = tmp_path / "server-dir" / "x.safetensors"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(b"x")
+    with pytest.raises(VLLMServerError, match=r"vLLM server u wrote hidden states to .*server-dir/x.safetensors, not to "
+                                              r".*asked.safetensors as asked for sample 'a'"):
+        received_file({"kv_transfer_params": {"hidden_states_path": str(elsewhere)}}, str(tmp_path / "asked.safetensors"),
+                      "vLLM server u", "a")
+    assert elsewhere.exists()  # not ours to delete
 
 
 @pytest.mark.integration
@@ -256,9 +371,100 @@ def test_a_server_that_refuses_its_settings_fails_at_once_with_vllms_reason(tmp_
     with pytest.raises(VLLMServerError, match="Total number of attention heads"):
         client.start()
         for _ in range(200):
-            client.check_alive()
+            client.check_starting()
             time.sleep(0.1)
     client.close()
+
+
+@pytest.mark.integration
+def test_the_startup_deadline_holds_beside_other_work(tmp_path: Path, tiny_target_dir: Path, monkeypatch) -> None:
+    """check_starting (what prep's vocabulary count calls) raises once the server is past vllm.timeout_s unhealthy."""
+    monkeypatch.setenv("STANDIN_FAIL_AT_START", "")
+    client = _client(tmp_path, tiny_target_dir, tmp_path / "standin.log", timeout_s=1)
+    with client:
+        with pytest.raises(VLLMServerError, match=r"was not healthy within 1 s of its start \(vllm.timeout_s\)"):
+            for _ in range(100):
+                client.check_starting()
+                time.sleep(0.1)
+
+
+def _members(pgid: int) -> set[int]:
+    from infra.vllm_server import group_members
+
+    return group_members(pgid)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("killed", ["guard", "guard and caller", "api server"])
+def test_killing_the_guard_or_the_server_leaves_nothing_running(tmp_path: Path, tiny_target_dir: Path,
+                                                                 monkeypatch, killed: str) -> None:
+    """kill -9 of the guard alone: the caller's next request names the server and says its guard was killed, and
+    nothing of the group is left once it closes. kill -9 of the guard and of its caller together: the sentinel stops
+    the group. kill -9 of the API server: the reason is the signal, not a line of its log (vLLM 0.32 logs a warning
+    quoting "OSError: [Errno 24] Too many open files" at every start). The server's scratch, its socket files
+    included, is gone each time."""
+    log = tmp_path / "standin.log"
+    monkeypatch.setenv("STANDIN_LOG", str(log))
+    spec = ServerSpec(model=str(tiny_target_dir), dtype="float32", max_model_len=256, hidden_size=64)
+    if killed == "guard and caller":
+        scratch = tmp_path / "scratch" / "launch"
+        scratch.mkdir(parents=True)
+        caller = subprocess.Popen([sys.executable, "-c", (
+            "import sys, time\nfrom pathlib import Path\nfrom data_prep.vllm_client import ServerSpec, serve_args\n"
+            "from infra.vllm_server import VLLMServer\n"
+            f"s = VLLMServer({standin_python(tmp_path)!r}, ['--model', {str(tiny_target_dir)!r}], "
+            f"log_path=Path({str(tmp_path / 'vllm.log')!r}), scratch=Path({str(scratch)!r}), grace_s=2).start()\n"
+            "s.wait_healthy(120)\nprint(s.guard.pid, s.env['VLLM_RPC_BASE_PATH'], flush=True)\ntime.sleep(600)\n")],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+        guard, sockets = caller.stdout.readline().split()
+        guard = int(guard)
+        server = json.loads(next(line for line in log.read_text().splitlines() if line.startswith("server "))[7:])
+        assert Path(sockets).is_dir() and server["pid"] in _members(guard)
+        os.kill(guard, signal.SIGKILL)
+        caller.kill()
+        caller.wait()
+        deadline = time.time() + 30
+        while _members(guard) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not _members(guard) and not scratch.exists() and not Path(sockets).exists()
+        return
+    client = VLLMClient(spec, VLLMConfig(scratch_dir=str(tmp_path / "scratch")), python=standin_python(tmp_path),
+                        cuda=False, rank=0, world=1, local_rank=0, log_path=tmp_path / "vllm.log")
+    with client:
+        client.wait_ready()
+        guard = client.server.guard.pid
+        server = json.loads(next(line for line in log.read_text().splitlines() if line.startswith("server "))[7:])
+        os.kill(guard if killed == "guard" else server["pid"], signal.SIGKILL)
+        expected = (r"its guard \(pid \d+\) was killed by SIGKILL, and the server with it" if killed == "guard" else
+                    r"the server was killed by SIGKILL \(a signal from outside vLLM\)")
+        with pytest.raises(VLLMServerError, match=r"vLLM server http://127.0.0.1:\d+ \(log: .*vllm.log\) exited: "
+                                                  + expected):
+            client.generate([[1, 2, 3]], max_tokens=2)
+        launch = client.scratch
+    assert _wait_gone([server["pid"], server["child"]]) == [] and not _members(guard)
+    assert not launch.exists() and not list((tmp_path / "scratch").iterdir())
+
+
+@pytest.mark.integration
+def test_the_users_servers_scratch_goes_when_prep_is_killed(tmp_path: Path) -> None:
+    """vllm.urls: no server of prep's, but a guard that removes the launch's scratch once its caller is gone, kill -9
+    included."""
+    caller = subprocess.Popen([sys.executable, "-c", (
+        "import time\nfrom pathlib import Path\nfrom data_prep.config import VLLMConfig\n"
+        "from data_prep.vllm_client import ServerSpec, VLLMClient\n"
+        "spec = ServerSpec(model='m', dtype='float32', max_model_len=9, hidden_size=8, layer_ids=[1])\n"
+        f"c = VLLMClient(spec, VLLMConfig(urls=['http://127.0.0.1:9'], scratch_dir={str(tmp_path / 's')!r}), "
+        "python=None, cuda=False, rank=0, world=1, local_rank=0, log_path=Path('x')).start()\n"
+        "(c.scratch / 'cap-1.safetensors').write_bytes(b'x')\nprint(c.scratch, flush=True)\ntime.sleep(600)\n")],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+    launch = Path(caller.stdout.readline().strip())
+    assert (launch / "cap-1.safetensors").exists()
+    caller.kill()
+    caller.wait()
+    deadline = time.time() + 30
+    while launch.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    assert not launch.exists()
 
 
 @pytest.mark.integration
@@ -286,3 +492,102 @@ def test_the_slurm_prep_script_starts_one_rank_per_server_group(tmp_path: Path, 
     args = (tmp_path / "srun.args").read_text().split()
     assert args[1] == str(ROOT / ".venv" / "bin" / "torchrun"), (args, done.stderr)
     assert args[args.index("--nproc_per_node") + 1] == nproc and args[args.index("--nnodes") + 1] == "2"
+
+
+def _plan_cfg(**kw):
+    from data_prep.pipeline import plan_prep
+
+    cfg = PrepConfig(out="x")
+    cfg.regen.backend, cfg.capture.engine = kw.pop("regen", "vllm"), kw.pop("capture", "vllm")
+    cfg.vllm.tensor_parallel_size = kw.pop("tp", 1)
+    for k, v in kw.items():
+        setattr(cfg.vllm, k, v)
+    return cfg, plan_prep(cfg)
+
+
+@pytest.mark.parametrize(("ranks", "tp"), [(8, 1), (4, 2), (1, 8)])
+def test_each_ranks_head_target_and_server_devices(ranks: int, tp: int) -> None:
+    """8 GPUs a node, 8 x TP1, 4 x TP2, 1 x TP8: each rank's head on its own server's first device; a transformers
+    target loaded after the servers stopped takes that device; one loaded beside them finds every GPU held and is
+    refused before anything loads; prep's own torch without CUDA puts the head in host memory while the servers
+    still take the node's devices (vLLM's own count)."""
+    from data_prep.pipeline import rank_devices
+    from infra.config_keys import ConfigError
+
+    blocks = [",".join(str(d) for d in range(r * tp, (r + 1) * tp)) for r in range(ranks)]
+    cfg, plan = _plan_cfg(tp=tp)
+    for r in range(ranks):
+        got = rank_devices(cfg, plan, local_rank=r, local_world=ranks, prep_devices=8, node_devices=8)
+        assert (got.head, got.hf_target, got.server) == (f"cuda:{r * tp}", None, blocks[r])
+        cpu_prep = rank_devices(cfg, plan, local_rank=r, local_world=ranks, prep_devices=0, node_devices=8)
+        assert (cpu_prep.head, cpu_prep.server) == ("cpu", blocks[r])
+    cfg, plan = _plan_cfg(tp=tp, capture="hf")  # vLLM regenerates, then the transformers target captures
+    assert plan.hf_target == "after_regen"
+    for r in range(ranks):
+        got = rank_devices(cfg, plan, local_rank=r, local_world=ranks, prep_devices=8, node_devices=8)
+        assert (got.head, got.hf_target, got.server) == (f"cuda:{r * tp}", f"cuda:{r * tp}", blocks[r])
+    for kw in ({"regen": "hf"}, {"capture_fidelity": "hf"}):
+        cfg, plan = _plan_cfg(tp=tp, **kw)
+        with pytest.raises(ConfigError, match=r"the transformers target \((regen.backend|vllm.capture_fidelity)=hf\) "
+                                              r"would share a GPU with a vLLM server"):
+            rank_devices(cfg, plan, local_rank=0, local_world=ranks, prep_devices=8, node_devices=8)
+
+
+def test_a_transformers_target_beside_the_servers_takes_a_device_none_holds() -> None:
+    from data_prep.pipeline import rank_devices
+
+    cfg, plan = _plan_cfg(regen="hf")
+    got = [rank_devices(cfg, plan, local_rank=r, local_world=4, prep_devices=8, node_devices=8) for r in range(4)]
+    assert [(d.server, d.hf_target, d.head) for d in got] == [(str(r), f"cuda:{4 + r}", f"cuda:{4 + r}")
+                                                              for r in range(4)]
+
+
+def test_a_head_that_does_not_fit_beside_the_server_stays_in_host_memory() -> None:
+    from data_prep.pipeline import rank_devices
+
+    cfg, plan = _plan_cfg()
+    big = rank_devices(cfg, plan, local_rank=0, local_world=1, prep_devices=1, node_devices=1,
+                       head_bytes=4 << 30, device_bytes=40 << 30)  # 4 GiB + context > 10% of 40 GiB
+    assert big.head == "cpu" and "gpu_memory_utilization=0.9" in big.note
+    cfg.vllm.engine_kwargs = {"gpu_memory_utilization": 0.8}
+    fits = rank_devices(cfg, plan, local_rank=0, local_world=1, prep_devices=1, node_devices=1,
+                        head_bytes=4 << 30, device_bytes=40 << 30)
+    assert fits.head == "cuda:0"
+
+
+def test_the_users_servers_leave_prep_in_host_memory_or_where_device_says() -> None:
+    from data_prep.pipeline import rank_devices
+    from infra.config_keys import ConfigError
+
+    cfg, plan = _plan_cfg(urls=["http://127.0.0.1:8000"])
+    got = rank_devices(cfg, plan, local_rank=0, local_world=1, prep_devices=8)
+    assert (got.head, got.hf_target, got.server) == ("cpu", None, None)
+    cfg, plan = _plan_cfg(urls=["http://127.0.0.1:8000"], capture_fidelity="hf")
+    with pytest.raises(ConfigError, match="prep cannot know which GPUs the user's servers hold"):
+        rank_devices(cfg, plan, local_rank=0, local_world=1, prep_devices=8)
+    cfg.device = "cuda:7"
+    assert rank_devices(cfg, plan, local_rank=0, local_world=1, prep_devices=8).hf_target == "cuda:7"
+
+
+def test_the_slurm_prep_script_passes_a_batch_signal_on_to_the_step(tmp_path: Path) -> None:
+    """--signal=B:USR1@N signals the batch script alone: it passes SIGUSR1 on to srun (which signals the step's
+    tasks) and waits for srun's own status."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    got = tmp_path / "srun.got"
+    (bin_dir / "srun").write_text(f"#!/bin/bash\ntrap 'echo USR1 >> {got}; exit 75' USR1\n"
+                                  f"echo started > {got}\nwhile :; do sleep 0.1; done\n")
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.args'}\necho node0\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PREP_DIR": str(tmp_path / "prep"),
+           "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node0", "SLURM_SUBMIT_DIR": str(ROOT)}
+    script = subprocess.Popen(["bash", str(ROOT / "launch" / "slurm" / "prep.sbatch"), "capture.engine=vllm"],
+                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 30
+    while not (got.exists() and "started" in got.read_text()) and time.time() < deadline:
+        time.sleep(0.1)
+    script.send_signal(signal.SIGUSR1)
+    out, err = script.communicate(timeout=30)
+    assert got.read_text().split() == ["started", "USR1"] and script.returncode == 75, err
+    assert "requeue 7" in (tmp_path / "scontrol.args").read_text()  # unfinished: requeued

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from infra.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = [
@@ -41,12 +42,6 @@ FOUR = ["train.max_steps=4", "train.epochs=2"]  # online recipe: 5 global batche
 # are added in another order, which moves the float32 losses by ~1e-7 relative (a rounding: 1.1e-7 measured
 # here) and the weights by up to ~1e-6.
 LOSS_RTOL, WEIGHT_ATOL = 1e-6, 1e-5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # Several 1-process runs in ONE process, in order (the in-process multi-job path a sweep uses).

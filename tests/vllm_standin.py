@@ -16,9 +16,13 @@ Environment: STANDIN_VERSION (what --check reports, default the version needed),
 `server {json}` per server started: pid, child pid, port, devices, environment; `generate` / `capture probe` /
 `capture sample` per request), STANDIN_FAIL_AT_START=<reason> (log `ValueError: <reason>` and exit 1 before serving,
 as vLLM refusing its settings), STANDIN_HANG=1 (accept completions and never answer), STANDIN_FAIL_AFTER=n (exit 3
-when asked for capture n+1, after n captures: a crash mid-capture), STANDIN_SLOW_S (seconds added to each capture request),
+when asked for capture n+1, after n captures: a crash mid-capture), STANDIN_SLOW_S (seconds added to each request),
 STANDIN_BAD_TOKENS=1 (the wrong token ids in every file), STANDIN_OTHER_HEAD=1 (next-token choices that are not the
-target head's).
+target head's), STANDIN_TORN=1 (every completion's answer cut short: fewer bytes than its Content-Length),
+STANDIN_DEVICES=n (the CUDA devices --check reports), STANDIN_FAIL_DEVICES=<ids> (the server given those
+CUDA_VISIBLE_DEVICES crashes at its first generate request: one rank's server failing). /metrics gives vLLM's prompt and generation token counters;
+a slow request (STANDIN_SLOW_S) raises the prompt counter while it works, a hanging one (STANDIN_HANG) does not.
+Requests are computed one at a time, as a queue.
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ def log(line: str) -> None:
 def check() -> int:
     version = os.environ.get("STANDIN_VERSION", MIN_VLLM)
     ok = tuple(map(int, version.split("."))) >= tuple(map(int, MIN_VLLM.split(".")))
-    print(json.dumps({"ok": ok, "version": version, "needed": MIN_VLLM, "cuda": False,
+    devices = int(os.environ.get("STANDIN_DEVICES", 0))
+    print(json.dumps({"ok": ok, "version": version, "needed": MIN_VLLM, "cuda": devices > 0, "device_count": devices,
                       "reason": "" if ok else f"vLLM {version} is older than {MIN_VLLM}"}))
     return 0
 
@@ -77,6 +82,7 @@ class Model:
         self.seen: dict = {}
         self.model.model.norm.register_forward_pre_hook(lambda _m, a: self.seen.__setitem__("norm_in", a[0]))
         self.requests = itertools.count()
+        self.prompt_tokens = self.generation_tokens = 0
         self.captures = itertools.count(1)
 
     def complete(self, body: dict) -> dict:
@@ -91,10 +97,19 @@ class Model:
             log("capture probe" if body.get("prompt_logprobs") else "capture sample")
             if next(self.captures) == int(os.environ.get("STANDIN_FAIL_AFTER", -2)) + 1:
                 os._exit(3)
-            time.sleep(float(os.environ.get("STANDIN_SLOW_S", 0)))
         else:
             log("generate")
+            if os.environ.get("STANDIN_FAIL_DEVICES") and os.environ.get("CUDA_VISIBLE_DEVICES") == os.environ[
+                    "STANDIN_FAIL_DEVICES"]:
+                print("RuntimeError: CUDA error: an illegal memory access was encountered", flush=True)
+                os._exit(1)
         with self.lock, torch.no_grad():
+            # working: the token counters rise while the request has not answered yet
+            end = time.monotonic() + float(os.environ.get("STANDIN_SLOW_S", 0))
+            while time.monotonic() < end:
+                time.sleep(0.05)
+                self.prompt_tokens += 1
+            self.prompt_tokens += len(prompt)
             ids = torch.tensor([prompt])
             out = self.model(input_ids=ids, output_hidden_states=True)
             logp = out.logits[0].float().log_softmax(-1)
@@ -117,6 +132,7 @@ class Model:
                 new = gen[0, len(prompt):].tolist()
                 end = next((j for j, t in enumerate(new) if t in stop), None)
                 new, reason = (new, "length") if end is None else (new[: end + 1], "stop")
+        self.generation_tokens += len(new)
         answer_params = None
         if states is not None:
             path = params.get("hidden_states_path") if self.custom else None
@@ -154,13 +170,16 @@ def serve(args) -> int:
         def log_message(self, *a) -> None:
             pass
 
-        def _send(self, code: int, obj) -> None:
-            data = json.dumps(obj).encode()
+        def _send(self, code: int, obj, torn: bool = False) -> None:
+            data = json.dumps(obj).encode() if not isinstance(obj, bytes) else obj
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
-            self.wfile.write(data)
+            self.wfile.write(data[: len(data) // 2] if torn else data)
+            if torn:
+                self.wfile.flush()
+                self.close_connection = True
 
         def _authorized(self) -> bool:
             if key and self.headers.get("Authorization") != f"Bearer {key}":
@@ -172,7 +191,11 @@ def serve(args) -> int:
             if self.path == "/health":
                 self._send(200, {})
             elif self.path == "/v1/models" and self._authorized():
-                self._send(200, {"data": [{"id": args.model}]})
+                self._send(200, {"data": [{"id": args.model, "max_model_len": args.max_model_len}]})
+            elif self.path == "/metrics":
+                self._send(200, (f"vllm:prompt_tokens_total{{model_name=\"m\"}} {float(model.prompt_tokens)}\n"
+                                 f"vllm:generation_tokens_total{{model_name=\"m\"}} {float(model.generation_tokens)}\n"
+                                 ).encode())
             elif self.path != "/v1/models":
                 self._send(404, {})
 
@@ -183,7 +206,7 @@ def serve(args) -> int:
             if os.environ.get("STANDIN_HANG"):
                 time.sleep(3600)
             try:
-                self._send(200, model.complete(body))
+                self._send(200, model.complete(body), torn=bool(os.environ.get("STANDIN_TORN")))
             except ValueError as e:
                 self._send(400, {"error": {"message": str(e)}})
 

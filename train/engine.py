@@ -34,7 +34,6 @@ import functools
 import logging
 import math
 import os
-import socket
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from infra.processes import free_port
 from train.config import DeepSpeedConfig, TrainConfig
 
 # DeepSpeed 0.19 calls collectives that torch 2.13 deprecates; the warning would repeat on every step.
@@ -52,12 +52,6 @@ ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 # ----------------------------------------------------------------------------------------- process group
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def dist_backend(name: str) -> str:
     if name != "auto":
         return name
@@ -74,7 +68,7 @@ def init_distributed(backend: str = "auto", cpu_shm_comm: bool = False) -> tuple
     if not torch.distributed.is_initialized():
         if "RANK" not in os.environ:
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
         # The op probe below compiles test programs and logs each compiler call at INFO.
         logging.getLogger("compilers.C.base").setLevel(logging.WARNING)
         if not cpu_shm_comm and not torch.cuda.is_available():

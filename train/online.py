@@ -90,7 +90,7 @@ def check_target_config(config: dict, tokenizer, spec: ShardSpec, where: str) ->
     """TargetMismatch naming what differs between the target's config/tokenizer and the prep's `spec` (its
     rendered/spec.json: what its shards' manifest records), before any weight loads."""
     from data_prep.chat import template_hash, tokenizer_hash
-    from models.config import check_target
+    from models.config import check_trainable_target
 
     text = config.get("text_config", config)
     arch = (config.get("architectures") or [None])[0]
@@ -105,7 +105,7 @@ def check_target_config(config: dict, tokenizer, spec: ShardSpec, where: str) ->
     if differ:
         raise TargetMismatch(f"{where}: the target is not the prep's ({spec.target.get('id')}): {', '.join(differ)}")
     try:
-        check_target(config, spec.tap_layers)
+        check_trainable_target(config, spec.tap_layers)
     except ValueError as e:
         raise TargetMismatch(f"{where}: tap layers {spec.tap_layers} of the prep on this target: {e}") from e
 
