@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """One drafter on every shipped suite (eval/prompts.py SUITES), through our evaluator and vLLM's server side by
-side in one run: τ with its interval, α, identical outputs and tokens/s per category, the engine's own counters
-beside them, its draft-settings sweep and its load sweep (eval/engine.py). Nothing else may share the machine.
+side in one run: τ (with its interval where a category or suite has 5 or more prompts), α, identical outputs and
+tokens/s per category, the engine's own counters beside them (each server warmed up, both sides sampling with the
+same stated parameters), its draft-settings sweep and its load sweep (eval/engine.py). Nothing else may share the
+machine.
 
     python bench/eval_suites.py --drafter <export> --name demo --vllm-python .venv-vllm/bin/python \
         [--num-prompts 2 --max-new-tokens 48 --depth 3 --concurrency 1,4,16,64 --sweep 1,5]

@@ -4,7 +4,9 @@ plain decoding, OOV rate, tokens/s with and without the drafter, and the speedup
 τ of a category is pooled over its turns (Σ emitted tokens in verify cycles / Σ verify forwards: eval/metrics.py).
 Its 95% interval resamples the category's *prompts* (a prompt's turns stay together: its second turn follows its
 own first answer) with replacement, `BOOTSTRAP_SAMPLES` times, and takes the 2.5th and 97.5th percentiles of the
-pooled τ; a category of one prompt has a zero-width interval, which says nothing of the spread.
+pooled τ. Below `MIN_CI_PROMPTS` prompts there is no interval (null, printed "n<5"): n prompts have only
+C(2n-1, n) distinct resamples (3 for two prompts, 10 for three), whose percentiles are the extreme prompts' τ
+rather than a 95% interval; a category of one prompt would have a zero-width one.
 """
 
 from __future__ import annotations
@@ -15,18 +17,23 @@ import torch
 
 from eval import metrics
 from eval.spec_decode import GenerationRecord
+from infra.strict_json import dumps
 
 BOOTSTRAP_SAMPLES = 2000
+MIN_CI_PROMPTS = 5  # fewer prompts: no interval (see the module docstring)
+NO_CI = f"n<{MIN_CI_PROMPTS}"  # how a missing interval is printed
 CI_DEFINITION = (f"95% bootstrap interval of the pooled τ: the category's prompts resampled with replacement "
-                 f"{BOOTSTRAP_SAMPLES} times (each prompt with all its turns), 2.5th / 97.5th percentiles")
+                 f"{BOOTSTRAP_SAMPLES} times (each prompt with all its turns), 2.5th / 97.5th percentiles; null "
+                 f"({NO_CI}) with fewer than {MIN_CI_PROMPTS} prompts, whose few distinct resamples give no interval")
 
 
 def bootstrap_tau_ci(per_prompt: Sequence[tuple[int, int]], samples: int = BOOTSTRAP_SAMPLES,
                      seed: int = 0) -> list[float] | None:
     """[low, high] of the pooled τ over prompts resampled with replacement; per_prompt = (emitted tokens in verify
-    cycles, verify forwards) of each prompt. None without a verify forward."""
+    cycles, verify forwards) of each prompt. None without a verify forward or with fewer than `MIN_CI_PROMPTS`
+    prompts."""
     counts = torch.tensor([list(p) for p in per_prompt], dtype=torch.float64).reshape(-1, 2)
-    if counts.numel() == 0 or counts[:, 1].sum() == 0:
+    if len(counts) < MIN_CI_PROMPTS or counts[:, 1].sum() == 0:
         return None
     idx = torch.randint(len(counts), (samples, len(counts)), generator=torch.Generator().manual_seed(seed))
     tokens, steps = counts[idx, 0].sum(1), counts[idx, 1].sum(1)
@@ -92,15 +99,28 @@ def suite_entries(samples: Sequence[dict], spec: Sequence[GenerationRecord], dep
     return out
 
 
-def tau_outside_interval(entry: dict) -> bool:
-    """Whether the engine's τ lies outside our interval for the same prompts (a gap the table flags)."""
+def tau_outside_interval(entry: dict) -> bool | None:
+    """Whether the engine's τ lies outside our interval for the same prompts (a gap the table flags); None (not
+    judged) without an interval (fewer than MIN_CI_PROMPTS prompts) or without the engine's τ."""
     ci, eng = entry.get("tau_ci95"), (entry.get("engine") or {}).get("tau")
+    if ci is None or eng is None:
+        return None
     slack = 1e-9  # two sums of the same counts in another order differ in the last bits
-    return ci is not None and eng is not None and not ci[0] - slack <= eng <= ci[1] + slack
+    return not ci[0] - slack <= eng <= ci[1] + slack
 
 
 def _f(x, digits: int = 2) -> str:
     return "–" if x is None or x != x else f"{x:.{digits}f}"
+
+
+def tau_with_ci(tau: float | None, ci: list[float] | None) -> str:
+    """τ and its interval as printed: "1.500 [1.40, 1.60]", or "1.500 [n<5]" without one."""
+    return f"{_f(tau, 3)} [{f'{_f(ci[0])}, {_f(ci[1])}' if ci else NO_CI}]"
+
+
+TPOT_DEFINITION = ("TPOT: time per output token after the first, (last token's arrival − first token's) / (tokens − 1) "
+                   "per request, mean over the level's requests; TTFT: time to the first token")
+GAP = {True: "**outside CI**", False: "", None: NO_CI}  # tau_outside_interval's verdict in the table
 
 
 def categories_markdown(entries: Sequence[dict]) -> str:
@@ -112,11 +132,9 @@ def categories_markdown(entries: Sequence[dict]) -> str:
         head += ["engine τ", "engine α", "engine tok/s spec / plain", "gap"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in entries:
-        ci = e["tau_ci95"]
         same = e["identical"]
         tps = e["tokens_per_s"]
-        row = [e["suite"], str(e["category"]), str(e["turns"]),
-               f"{_f(e['tau'], 3)} [{_f(ci[0] if ci else None)}, {_f(ci[1] if ci else None)}]",
+        row = [e["suite"], str(e["category"]), str(e["turns"]), tau_with_ci(e["tau"], e["tau_ci95"]),
                " ".join(_f(a) for a in e["alpha"]),
                f"{same['count']}/{same['of']}" if same else "–", _f(e["oov_rate"], 3),
                _f(tps["speculative"], 1), _f(tps["baseline"], 1),
@@ -126,7 +144,7 @@ def categories_markdown(entries: Sequence[dict]) -> str:
             gt = g.get("tokens_per_s") or {}
             row += [_f(g.get("tau"), 3), " ".join(_f(a) for a in g.get("alpha") or []),
                     f"{_f(gt.get('speculative'), 1)} / {_f(gt.get('baseline'), 1)}",
-                    "**outside CI**" if tau_outside_interval(e) else ""]
+                    GAP[tau_outside_interval(e)] if g.get("tau") is not None else ""]
         rows.append("| " + " | ".join(row) + " |")
     return "\n".join(rows)
 
@@ -134,13 +152,13 @@ def categories_markdown(entries: Sequence[dict]) -> str:
 def load_markdown(load: Sequence[dict]) -> str:
     """The engine's load sweep: per concurrency, with and without the drafter."""
     rows = ["| requests in flight | tok/s plain | tok/s EAGLE | speedup (predicted) | engine τ | TTFT ms plain / EAGLE "
-            "| ITL ms plain / EAGLE |", "|---|---|---|---|---|---|---|"]
+            "| TPOT ms plain / EAGLE |", "|---|---|---|---|---|---|---|"]
     for lv in load:
         p, s = lv["plain"], lv["speculative"]
         rows.append(f"| {lv['concurrency']} | {_f(p['output_tokens_per_s'], 1)} | {_f(s['output_tokens_per_s'], 1)} | "
                     f"{_f(lv['speedup'], 3)} ({_f(lv['speedup_predicted'], 3)}) | {_f(s['tau'], 3)} | "
                     f"{_f(p['ttft_ms']['mean'], 0)} / {_f(s['ttft_ms']['mean'], 0)} | "
-                    f"{_f(p['itl_ms']['mean'], 1)} / {_f(s['itl_ms']['mean'], 1)} |")
+                    f"{_f(p['tpot_ms']['mean'], 1)} / {_f(s['tpot_ms']['mean'], 1)} |")
     return "\n".join(rows)
 
 
@@ -168,10 +186,17 @@ def report_markdown(report: dict) -> str:
              "cycle_cost)."]
     eng = report.get("engine")
     if eng:
-        parts += ["", f"engine: vLLM, {eng['method']} with {eng['num_speculative_tokens']} draft tokens; "
-                  "**outside CI**: its τ lies outside our interval for the same prompts."]
+        mode = eng["mode"]
+        memory = eng.get("device_memory")
+        parts += ["", f"engine: vLLM {eng.get('version') or ''}, {eng['method']} with {eng['num_speculative_tokens']} "
+                  f"draft tokens, {'eager' if mode['enforce_eager'] else 'CUDA graphs'} ({mode['reason']})"
+                  + (f", --gpu-memory-utilization {memory['share']} ({memory['reason']})" if memory else "")
+                  + f"; both sides sample with {dumps(eng['sampling'])} (servers: --generation-config vllm); "
+                  + ("every server answered one untimed request before it was timed; " if eng["warmup"] else "")
+                  + f"**outside CI**: its τ lies outside our interval for the same prompts ({NO_CI}: no interval, "
+                  "not judged)."]
         if len(eng["num_speculative_tokens_swept"]) > 2:
             parts += ["", "## Draft settings (engine tokens/s, τ in brackets)", "", settings_markdown(report["categories"])]
         if eng["load"]:
-            parts += ["", "## Under load (engine)", "", load_markdown(eng["load"])]
+            parts += ["", "## Under load (engine)", "", load_markdown(eng["load"]), "", TPOT_DEFINITION + "."]
     return "\n".join(parts) + "\n"

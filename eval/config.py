@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
+WARMUP_TOKENS = 8  # `warmup`: the tokens of the untimed request each method (and each engine server) answers first
+
 
 @dataclass
 class DecodeConfig:
@@ -36,10 +38,15 @@ class EngineVLLMConfig:
     export, the same prompts sent to it (eval/engine.py)."""
 
     python: str | None = None  # the python of a vLLM install (its own venv); None: this one, if it imports vllm
-    engine_kwargs: dict = field(default_factory=dict)  # more `vllm serve` flags, e.g. {max_num_seqs: 64}
+    # more `vllm serve` flags, e.g. {max_num_seqs: 64, gpu_memory_utilization: 0.5} (a share given here replaces the
+    # one computed from the free device memory)
+    engine_kwargs: dict = field(default_factory=dict)
     max_model_len: int = 2048
     timeout_s: float = 1200.0  # server start-up and every request
-    # requests in flight of the load sweep (tokens/s, time to first token, inter-token latency, with and without
+    # --enforce-eager (no CUDA graphs); None: eager only where vLLM sees no CUDA device (its CPU build has none to
+    # capture, and eager starts in seconds), CUDA graphs on a GPU
+    enforce_eager: bool | None = None
+    # requests in flight of the load sweep (tokens/s, time to first token, time per output token, with and without
     # the drafter); [] skips it. Each level sends max(load_min_requests, load_rounds x concurrency) first turns.
     concurrency: list[int] = field(default_factory=list)
     load_rounds: int = 2
@@ -47,6 +54,10 @@ class EngineVLLMConfig:
     # draft-settings sweep: vLLM's num_speculative_tokens values served one after the other, each over every
     # category (decode.depth is always served); the best per category by tokens/s, no drafter (0) included
     num_speculative_tokens: list[int] = field(default_factory=list)
+
+    def kwarg(self, name: str):
+        """engine_kwargs' value of the engine argument `name` (spelt with _ or -, as `vllm serve` takes it), or None."""
+        return next((v for k, v in self.engine_kwargs.items() if k.replace("-", "_") == name), None)
 
 
 @dataclass
@@ -63,7 +74,7 @@ class EvalConfig:
     baseline: bool = True  # plain target decoding of the same prompts (for speedup)
     prompt_lookup: bool = False  # peer: transformers' assisted decoding with prompt lookup
     prompt_lookup_num_tokens: int = 10
-    warmup: bool = True  # one short untimed generate per method first
+    warmup: bool = True  # one short untimed generate per method first (and one request per engine server)
     plots: bool = True
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     engine: str = "none"  # none | vllm: the same prompts through vLLM's server too, its acceptance beside ours
@@ -94,6 +105,10 @@ class EvalConfig:
         if (v.concurrency or v.num_speculative_tokens) and self.engine != "vllm":
             raise ValueError("vllm.concurrency / vllm.num_speculative_tokens are sweeps through the engine: set "
                              "engine=vllm")
+        fixed = [k for k in ("enforce_eager", "generation_config") if v.kwarg(k) is not None]
+        if fixed:
+            raise ValueError(f"vllm.engine_kwargs cannot set {fixed}: vllm.enforce_eager sets the mode, and the "
+                             "servers ignore the model's generation_config.json so that both sides sample alike")
         if min([*v.concurrency, 1]) < 1 or min([*v.num_speculative_tokens, 1]) < 1 or v.load_rounds < 1:
             raise ValueError("vllm.concurrency, vllm.num_speculative_tokens and vllm.load_rounds must be >= 1")
         if d.mode == "chain" and (d.auto_total_tokens or d.total_tokens != DecodeConfig.total_tokens):

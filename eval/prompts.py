@@ -16,9 +16,11 @@ following the model's own previous answer (method of MT-bench itself).
 
 Every non-blank line, of a suite's file as of a user's, is checked before any prompt is used: UTF-8, a JSON
 object, `turns` a non-empty list of non-empty strings, `prompt` a non-empty string, or a conversation prep would
-read with a user turn and no system message after its first turn. The first line that is not stops the
-evaluation with the file, the line number and the reason (PromptsError): a prompt set is small and chosen, and
-one silently thinner or read differently would give numbers that compare with nothing.
+read with a user turn and no system message after its first turn; `category`, where given, a non-empty string;
+its id (`id`, `question_id`, else its line number) a string or an integer that no other record of the file has
+(the evaluation pools a prompt's turns by its id: two prompts of one id would be counted as one). The first line
+that is not stops the evaluation with the file, the line number and the reason (PromptsError): a prompt set is
+small and chosen, and one silently thinner or read differently would give numbers that compare with nothing.
 """
 
 from __future__ import annotations
@@ -181,18 +183,28 @@ def _read(path: Path, suite: Suite | str) -> list[PromptRecord]:
     name, to_record = (spec.name, spec.to_record) if spec else (suite, None)
     data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
     records: list[PromptRecord] = []
+    first: dict[str, str] = {}  # id -> where in the file the record of that id is
+
+    def add(record: PromptRecord, where: str, place: str) -> None:
+        if record.id in first:
+            raise PromptsError(f"{where}: prompt id {record.id!r} is already that of {first[record.id]}: ids name "
+                               "prompts (their turns are pooled by id; a record without one is named by its line "
+                               "number), so each must be unique in its file")
+        first[record.id] = place
+        records.append(replace(record, suite=name))
+
     if spec is not None and spec.records is not None:  # one JSON document
         try:
             items = spec.records(json.loads(data.decode("utf-8")))
         except (ValueError, KeyError, TypeError) as e:
             raise PromptsError(f"{path}: not the {name} file this loader reads ({e})") from None
         for i, (where, raw) in enumerate(items, start=1):
-            records.append(replace(_record(raw, f"{path} {where}", i, to_record), suite=name))
+            add(_record(raw, f"{path} {where}", i, to_record), f"{path} {where}", where)
     else:
         # bytes.splitlines: line numbers as editors count them (str.splitlines also breaks at \x1c, \u2028, ...)
         for line_no, line in enumerate(data.splitlines(), start=1):
             if line.strip():
-                records.append(replace(_record(line, f"{path}:{line_no}", line_no, to_record), suite=name))
+                add(_record(line, f"{path}:{line_no}", line_no, to_record), f"{path}:{line_no}", f"line {line_no}")
     if not records:
         raise PromptsError(f"{path}: no prompts")
     return records
@@ -220,8 +232,13 @@ def _record(line: bytes | object, where: str, line_no: int,
     else:
         raise PromptsError(f"{where}: a record needs 'turns' (a list of user messages), 'prompt' (a string) or "
                            f"a conversation ({' / '.join(CONVERSATION_KEYS)}, as prep reads them); keys: {sorted(raw)}")
-    rid = raw.get("id", raw.get("question_id", line_no))
-    return PromptRecord(str(rid), turns, raw.get("category"), system)
+    category = raw.get("category")
+    if category is not None and not (isinstance(category, str) and category.strip()):
+        raise PromptsError(f"{where}: 'category' must be a non-empty string, got {_short(category)}")
+    rid = next((raw[k] for k in ("id", "question_id") if raw.get(k) is not None), line_no)
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or not str(rid).strip():
+        raise PromptsError(f"{where}: a prompt's id must be a non-empty string or an integer, got {_short(rid)}")
+    return PromptRecord(str(rid), turns, category, system)
 
 
 def _parse(line: bytes, where: str) -> object:

@@ -3,11 +3,21 @@
 Every generated turn is one "request" (τ per request, samples). Speedup = tokens/s of speculative
 decoding / tokens/s of plain decoding, same target, prompts, max_new_tokens, machine and run
 (docs/method.md §6). The verify budget m (total_tokens) is reported next to it.
+
+Before the target loads: the prompts, the export's config.json and the model it records (`check_target_id`), and
+with engine=vllm the vLLM install (its python imports vLLM: `engine_ready`); before anything decodes, the export's
+weights (readable, finite) and the target's shape and tokenizer against its record. Every one of these stops as a
+user error naming the file or both targets. The target and drafter live only while our evaluator decodes
+(`evaluate_ours`): with engine=vllm they are released before vLLM's first server starts on the same device
+(eval/engine.py).
 """
 
 from __future__ import annotations
 
 import json
+import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -17,19 +27,20 @@ from eval import metrics
 from eval.budget import AdaptiveBudget, CycleCost, VerifyCost, choose_total_tokens
 from eval.categories import (
     CI_DEFINITION,
+    MIN_CI_PROMPTS,
     acceptance_of,
     category_entries,
     groups,
     report_markdown,
     suite_entries,
 )
-from eval.config import EvalConfig
+from eval.config import WARMUP_TOKENS, EvalConfig
 from eval.prompts import load_prompts, render
 from eval.sampling import SamplingParams
 from eval.spec_decode import GenerationRecord, SpecSettings, SpeculativeDecoder, plain_generate
 from eval.target import TargetRunner
 from infra.strict_json import dumps
-from models.export import CONFIG_FILE
+from models.export import CONFIG_FILE, TARGET_KEY, WEIGHTS_FILE, ExportError
 from models.registry import DrafterFamily, family, family_of_drafter
 
 REPORT_FILE = "report.json"
@@ -63,15 +74,11 @@ def load_drafter(export_dir: str, target_model, device: str, dtype: torch.dtype,
     that records another target than this one (its tokenizer too, when given), or tap layers other than those its
     config.json now names, is refused naming both (models.export.check_target)."""
     from eval.target import target_fingerprint
-    from models.export import TARGET_KEY, ExportError, check_tap_layers, check_target
+    from models.export import check_tap_layers, check_target
     from models.registry import family_of_export
     from models.target_head import EMBED_KEY, LM_HEAD_KEY, scaled_embedding_weight
 
-    config_path = Path(export_dir) / CONFIG_FILE
-    if not config_path.is_file():
-        raise FileNotFoundError(f"drafter {export_dir}: no {CONFIG_FILE} (an export dir holds {CONFIG_FILE} and "
-                                "model.safetensors: launch/export.py writes one from a checkpoint)")
-    raw = json.loads(config_path.read_text())
+    raw = read_export(export_dir)
     actual = target_fingerprint(target_model.config.to_dict(), tokenizer, target_name)
     check_target(raw.get(TARGET_KEY), actual, f"drafter {export_dir}", f"target {target_name}")
     embed = scaled_embedding_weight(target_model)  # as the target embeds (Gemma: times sqrt(hidden))
@@ -81,9 +88,10 @@ def load_drafter(export_dir: str, target_model, device: str, dtype: torch.dtype,
     if head is not None:
         weights[LM_HEAD_KEY] = head.weight.detach().cpu()
     try:
-        drafter = family_of_export(raw).load_export(
-            export_dir, target_weights=weights, target_num_layers=int(text_cfg.num_hidden_layers), dtype=dtype
-        )
+        with unreadable_weights(export_dir):
+            drafter = family_of_export(raw).load_export(
+                export_dir, target_weights=weights, target_num_layers=int(text_cfg.num_hidden_layers), dtype=dtype
+            )
     except ExportError:
         raise
     except ValueError as e:  # the export's config.json or tensors do not make a drafter for this target
@@ -99,27 +107,164 @@ def load_drafter(export_dir: str, target_model, device: str, dtype: torch.dtype,
     return drafter
 
 
+def read_export(export_dir: str) -> dict:
+    """An export's config.json: FileNotFoundError without one, ExportError naming it when it is not a JSON object
+    (a damaged or hand-edited file) or records its target as something else than an object."""
+    path = Path(export_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"drafter {export_dir}: no {CONFIG_FILE} (an export dir holds {CONFIG_FILE} and "
+                                f"{WEIGHTS_FILE}: launch/export.py writes one from a checkpoint)")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:  # not UTF-8, not JSON
+        raise ExportError(f"{path}: not valid JSON ({e}): a damaged export, refused") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get(TARGET_KEY) or {}, dict):
+        raise ExportError(f"{path}: a drafter's config.json is a JSON object whose {TARGET_KEY!r} is one too: a "
+                          "damaged export, refused")
+    return raw
+
+
+def _weights_file(export_dir: str) -> Path:
+    d = Path(export_dir)
+    return d / WEIGHTS_FILE if (d / WEIGHTS_FILE).exists() or not (d / "pytorch_model.bin").exists() else (
+        d / "pytorch_model.bin")
+
+
+@contextmanager
+def unreadable_weights(export_dir: str) -> Iterator[None]:
+    """A weights file that cannot be read (truncated, not a safetensors or torch file: safetensors' header check,
+    torch's unpickler or zip reader) stops as an ExportError naming it, rather than as the reader's traceback."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, pickle.UnpicklingError, EOFError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "PytorchStreamReader" not in str(e):
+            raise  # not the zip reader's: not a damaged file
+        raise ExportError(f"{_weights_file(export_dir)}: cannot be read ({str(e).splitlines()[0]}): a damaged or "
+                          "partly copied export, refused") from None
+
+
+def read_export_weights(export_dir: str) -> dict:
+    """The export's tensors (models.export.read_weights: every one checked finite), a damaged file an ExportError."""
+    from models.export import read_weights
+
+    with unreadable_weights(export_dir):
+        return read_weights(Path(export_dir))
+
+
+def _local_path(ref: str) -> bool:
+    return ref.startswith(("/", ".", "~")) or Path(ref).expanduser().is_dir()
+
+
+def check_target_id(raw: dict, preset, drafter: str) -> None:
+    """ExportError naming both when the export records (`TARGET_KEY` `id`, prep's hub id of the target) another
+    model than the target evaluated (a preset's name or hub id, or a hub id; case aside): the same shape and
+    tokenizer do not make the same model, whose hidden states the drafter reads. A local directory on either side
+    is a copy of any model: its shape and tokenizer are compared (models.export.check_target), not its name."""
+    recorded = (raw.get(TARGET_KEY) or {}).get("id")
+    if not isinstance(recorded, str) or not recorded or preset.local_path or _local_path(recorded):
+        return
+    if recorded.lower() in {preset.name.lower(), preset.hf_id.lower()}:
+        return
+    named = preset.name if preset.name == preset.hf_id else f"{preset.name} ({preset.hf_id})"
+    raise ExportError(f"drafter {drafter} was trained for target {recorded}, not for target {named}: a model of the "
+                      "same shape is still another model, whose hidden states the drafter never saw; evaluate with "
+                      f"target={recorded} (or a local copy of it: a directory is compared by shape and tokenizer)")
+
+
+def check_export(drafter: str, preset, tokenizer) -> str:
+    """Before vLLM starts (eval/engine.py): an export that cannot be read, with non-finite weights, of a family vLLM
+    does not serve, or trained for another target, stops with its reason (ExportError), as `load_drafter` refuses
+    it. Returns vLLM's speculative method for it (the family table's)."""
+    from data_prep.targets import load_target_config
+    from eval.target import target_fingerprint
+    from models.export import check_tap_layers, check_target
+    from models.registry import FAMILIES, family_of_export
+
+    raw = read_export(drafter)
+    check_target_id(raw, preset, drafter)
+    read_export_weights(drafter)
+    try:
+        fam = family_of_export(raw)
+    except ValueError as e:
+        raise ExportError(f"drafter {drafter}: {e}") from None
+    if fam.vllm_method is None:
+        served = [f.label for f in FAMILIES.values() if f.vllm_method]
+        raise ExportError(f"drafter {drafter} is a {fam.label} export; vLLM serves {served} drafters")
+    actual = target_fingerprint(load_target_config(preset), tokenizer, preset.name)
+    check_target(raw.get(TARGET_KEY), actual, f"drafter {drafter}", f"target {preset.name}")
+    try:  # the layer ids vLLM will tap: in range for this target, and the ones the drafter was trained on
+        cfg = fam.config_cls.from_hf_dict(raw, target_num_layers=actual["num_layers"])
+    except ValueError as e:  # a config.json vLLM's loader cannot take either
+        raise ExportError(f"drafter {drafter}: {e}") from None
+    check_tap_layers(raw.get(TARGET_KEY), cfg.tap_layers, f"drafter {drafter}")
+    return fam.vllm_method
+
+
+def engine_ready(python: str | None) -> tuple[str, dict]:
+    """engine=vllm: the python of vLLM and its check (infra.vllm_server.ready with prep's check module: vLLM
+    imported, new enough, `version`, `cuda`), before anything loads; VLLMUnavailable, a user error, otherwise."""
+    from data_prep.vllm_client import VLLM_PLUGIN
+    from infra.vllm_server import VLLMUnavailable, ready
+
+    try:
+        return ready(python, VLLM_PLUGIN)
+    except VLLMUnavailable as e:
+        raise VLLMUnavailable(f"engine=vllm: {e}") from None
+
+
+def release_device(device: str) -> None:
+    """Our evaluator's target and drafter, gone with `evaluate_ours`'s frame, returned to the device: collected, and
+    the CUDA allocator's cached blocks freed, so vLLM's server can take that memory."""
+    import gc
+
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
 def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
-    from data_prep.targets import load_target, model_path, resolve_target
+    """The evaluation of `cfg` (module docstring) -> the report, also written to cfg.out_dir."""
+    from data_prep.targets import resolve_target
 
     cfg.validate()
     d = cfg.decode
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
-    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    # the prompts first: a bad prompts file stops before the target is loaded
+    # before the target loads: the prompts, the export's config and recorded target, vLLM
     records_in = load_prompts(cfg.prompts, per_category=d.num_prompts if d.num_prompts > 0 else None,
                               max_turns=d.max_turns if d.max_turns > 0 else None)
     preset = resolve_target(cfg.target)
+    if (Path(cfg.drafter) / CONFIG_FILE).is_file():  # an export without one is named where the drafter loads
+        check_target_id(read_export(cfg.drafter), preset, cfg.drafter)
+    vllm = engine_ready(cfg.vllm.python) if cfg.engine == "vllm" else None
+    report, samples, cost, session = evaluate_ours(cfg, preset, records_in, vllm, progress)
+    if session is not None:  # the target and drafter are released: the engine takes the device
+        release_device(report["device"])
+        add_engine(report, session, samples, d, report["stop_token_ids"], cost, progress)
+    report["samples"] = samples
+    write_report(report, Path(cfg.out_dir), cfg.plots)
+    return report
+
+
+def evaluate_ours(cfg: EvalConfig, preset, records_in, vllm: tuple[str, dict] | None, progress: bool):
+    """Our evaluator: the target and drafter loaded, the engine's session prepared (`vllm`: its python and check;
+    the export checked as vLLM loads it, the prompts' lengths), every prompt decoded -> (report without samples,
+    samples, the cycle cost, the engine session or None). The target and drafter are not returned: they go with
+    this frame."""
+    from data_prep.targets import load_target, model_path
+
+    d = cfg.decode
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_target(preset, dtype=cfg.dtype, device=device, chat_template=cfg.chat_template)
     drafter = load_drafter(cfg.drafter, model, device, next(model.parameters()).dtype, tokenizer, preset.name)
-    session = None
-    if cfg.engine == "vllm":  # before decoding: the engine's python, the export as vLLM loads it, the lengths
-        session = engine_session(cfg, preset, tokenizer, model)
-    runner = TargetRunner(model, drafter.tap_layers)
     template_kwargs = {} if preset.enable_thinking is None else {"enable_thinking": preset.enable_thinking}
-    if session is not None:
+    session = None
+    if vllm is not None:  # before decoding: the export as vLLM loads it, the lengths
+        session = engine_session(cfg, vllm, preset, tokenizer, model)
         check_engine_lengths(records_in, tokenizer, template_kwargs, d.max_new_tokens, cfg.vllm.max_model_len)
+    runner = TargetRunner(model, drafter.tap_layers)
     eos = stop_token_ids(model, tokenizer, template_kwargs)
     params = SamplingParams(d.temperature, d.top_p, d.top_k)
 
@@ -127,9 +272,10 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
 
     if cfg.warmup:  # first calls pay one-off allocation / kernel selection costs
         ids = render(tokenizer, records_in[0].messages(0, []), template_kwargs)
-        decoder.generate(ids, min(8, d.max_new_tokens), params, eos, torch.Generator().manual_seed(0))
+        decoder.generate(ids, min(WARMUP_TOKENS, d.max_new_tokens), params, eos, torch.Generator().manual_seed(0))
         if cfg.baseline:
-            plain_generate(runner, ids, min(8, d.max_new_tokens), params, eos, torch.Generator().manual_seed(0))
+            plain_generate(runner, ids, min(WARMUP_TOKENS, d.max_new_tokens), params, eos,
+                           torch.Generator().manual_seed(0))
         if budget is not None:
             budget.log.clear()  # its learned rates stay; the report covers the timed prompts only
 
@@ -174,21 +320,19 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
         "categories": entries,
     }
     add_comparisons(report, cfg, budget, spec_recs, base_recs, peer, params, base_rate)
-    if session is not None:
-        add_engine(report, session, samples, d, eos, cost, progress)
-    report["samples"] = samples
-    write_report(report, Path(cfg.out_dir), cfg.plots)
-    return report
+    return report, samples, cost, session
 
 
-def engine_session(cfg: EvalConfig, preset, tokenizer, model):
-    """vLLM's python resolved and the export checked as vLLM will load it, before any decoding (eval/engine.py)."""
+def engine_session(cfg: EvalConfig, vllm: tuple[str, dict], preset, tokenizer, model):
+    """The engine's servers (eval/engine.py) with `vllm` (`engine_ready`'s python and check) and the export checked
+    as vLLM will load it, before any decoding."""
     from data_prep.targets import model_path
-    from eval.engine import EngineSession, check_export
+    from eval.engine import EngineSession
 
     method = check_export(cfg.drafter, preset, tokenizer)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    return EngineSession(cfg.vllm, model_path(preset), dtype, cfg.drafter, method, Path(cfg.out_dir) / "engine")
+    return EngineSession(cfg.vllm, *vllm, model_path(preset), dtype, cfg.drafter, method,
+                         Path(cfg.out_dir) / "engine", warmup=cfg.warmup)
 
 
 def check_engine_lengths(records, tokenizer, template_kwargs: dict, max_new_tokens: int, max_model_len: int) -> None:
@@ -203,20 +347,17 @@ def check_engine_lengths(records, tokenizer, template_kwargs: dict, max_new_toke
 
 
 def add_engine(report: dict, session, samples: list[dict], d, eos, cost: CycleCost, progress: bool) -> None:
-    """The same turns through vLLM (eval/engine.py): each category's `engine` entry beside ours, the pooled engine
-    figures, the draft-settings sweep and the load sweep."""
+    """The same turns through vLLM (eval/engine.py), sampled as ours (every parameter stated): each category's
+    `engine` entry beside ours, the pooled engine figures, the draft-settings sweep, the load sweep, and how the
+    engine ran (mode, sampling, warm-up, device memory)."""
     from eval import engine
     from eval.categories import tau_outside_interval
 
     g = groups(samples)
     turns = {key: [samples[i]["prompt_token_ids"] for i in idx] for key, idx in g.items()}
     first = [s["prompt_token_ids"] for s in samples if s["turn"] == 0]
-    body = {"max_tokens": d.max_new_tokens, "temperature": d.temperature, "top_p": d.top_p,
-            "stop_token_ids": list(eos), "skip_special_tokens": False}
-    if d.top_k > 0:
-        body["top_k"] = d.top_k
-    if d.temperature > 0:
-        body["seed"] = d.seed
+    sampled = engine.sampling(d.temperature, d.top_p, d.top_k, d.seed)
+    body = {"max_tokens": d.max_new_tokens, **sampled, "stop_token_ids": list(eos), "skip_special_tokens": False}
     k = d.depth
     res = engine.evaluate(session, turns, first, body, k, progress)
     stops = set(eos)
@@ -250,14 +391,24 @@ def add_engine(report: dict, session, samples: list[dict], d, eos, cost: CycleCo
                      "speedup_predicted": cost.predicted_speedup(spec["tau"], k + 1, plain["concurrency"],
                                                                    drafting=False)})
     report["engine"] = {
-        "name": "vllm", "method": session.method, "num_speculative_tokens": k, "python": session.python,
+        "name": "vllm", "version": session.version, "method": session.method, "num_speculative_tokens": k,
+        "python": session.python,
+        "mode": {"enforce_eager": session.eager, "reason": session.eager_reason},
+        # both sides: ours decodes with temperature / top-p / top-k (eval/sampling.py) and nothing else
+        "sampling": sampled, "generation_config": "vllm",
+        "warmup": {"requests_per_server": 1, "max_tokens": min(WARMUP_TOKENS, d.max_new_tokens)} if session.warmup
+        else None,
+        # the share each server took of the device (None: no CUDA device); our target and drafter were released
+        "device_memory": session.memory,
         "tau": 1 + accepted / drafts if drafts else None,
         "num_speculative_tokens_swept": [int(x) for x in res["categories"]],
         "load": load,
         "definition": "τ = 1 + accepted / drafts from vLLM's spec_decode counters; α_n conditional as ours; tokens/s "
                       "= output tokens / the requests' wall time, one request at a time (load: c in flight, "
-                      "ignore_eos, tokens / the level's wall time); identical: token ids equal, a final stop id "
-                      "aside",
+                      "ignore_eos, tokens / the level's wall time; TTFT: time to the first token; TPOT: time per "
+                      "output token after the first, (last token's arrival − first token's) / (tokens − 1) per "
+                      "request); identical: token ids equal, a final stop id aside; tau_outside_ci null: no interval "
+                      f"(fewer than {MIN_CI_PROMPTS} prompts), not judged",
     }
 
 

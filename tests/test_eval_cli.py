@@ -250,7 +250,7 @@ def test_a_foreign_or_edited_export_is_refused(tmp_path, exported_drafter: Path,
 def test_the_engine_refuses_a_foreign_export_before_vllm_starts(tmp_path, tiny_target_dir: Path,
                                                                 exported_drafter: Path, tiny_target) -> None:
     from data_prep.targets import load_tokenizer, resolve_target
-    from eval.engine import check_export
+    from eval.run import check_export
     from models.export import ExportError
 
     preset = resolve_target(str(tiny_target_dir))
@@ -260,6 +260,97 @@ def test_the_engine_refuses_a_foreign_export_before_vllm_starts(tmp_path, tiny_t
     with pytest.raises(ExportError) as e:
         check_export(str(export), preset, tokenizer)
     assert "was trained for org/big" in str(e.value) and "differ in vocab_size" in str(e.value), str(e.value)
+
+
+def test_the_recorded_target_id_must_name_the_target(tmp_path) -> None:
+    """Prep records the target's hub id; a model of the same shape and tokenizer under another id (SmolLM2-135M,
+    the base model of SmolLM2-135M-Instruct) is refused naming both, case aside; a local directory on either side
+    is compared by shape and tokenizer only (models.export.check_target)."""
+    from data_prep.targets import resolve_target
+    from eval.run import check_target_id
+    from models.export import TARGET_KEY, ExportError
+
+    preset = resolve_target("smollm2-135m-instruct")
+    with pytest.raises(ExportError) as e:
+        check_target_id({TARGET_KEY: {"id": "HuggingFaceTB/SmolLM2-135M", "num_layers": 30}}, preset, "exp")
+    assert str(e.value).startswith("drafter exp was trained for target HuggingFaceTB/SmolLM2-135M, not for target "
+                                   "smollm2-135m-instruct (HuggingFaceTB/SmolLM2-135M-Instruct)"), str(e.value)
+    assert "target=HuggingFaceTB/SmolLM2-135M" in str(e.value)
+    for same in ("HuggingFaceTB/SmolLM2-135M-Instruct", "huggingfacetb/smollm2-135m-instruct", "smollm2-135m-instruct",
+                 "/data/models/smollm2", "./smollm2", str(tmp_path), None):
+        check_target_id({TARGET_KEY: {"id": same}}, preset, "exp")
+    check_target_id({}, preset, "exp")
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 10}))
+    check_target_id({TARGET_KEY: {"id": "org/other"}}, resolve_target(str(tmp_path)), "exp")
+
+
+def test_an_export_for_another_model_of_the_same_shape_stops_before_anything_loads(tmp_path, exported_drafter: Path,
+                                                                                   tiny_target) -> None:
+    """The hostile case end to end: an export recording another model's id, evaluated with engine=vllm: exit 2
+    naming both, before the target (or vLLM's check: vllm.python names nothing) is touched."""
+    export = _stamped(tmp_path, exported_drafter, tiny_target, id="HuggingFaceTB/SmolLM2-135M")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Hi"}) + "\n")
+    res = subprocess.run([sys.executable, str(REPO / "launch" / "eval.py"), f"drafter={export}",
+                          "target=smollm2-135m-instruct", f"prompts={prompts}", f"out_dir={tmp_path / 'out'}",
+                          "engine=vllm", "decode.mode=chain", "vllm.python=/nonexistent/python"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert (f"error: drafter {export} was trained for target HuggingFaceTB/SmolLM2-135M, not for target "
+            "smollm2-135m-instruct (HuggingFaceTB/SmolLM2-135M-Instruct)") in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_a_damaged_export_is_refused_naming_its_file(tmp_path, tiny_target_dir: Path, exported_drafter: Path,
+                                                    tiny_target, monkeypatch) -> None:
+    from data_prep.targets import resolve_target
+    from eval.config import EvalConfig
+    from eval.run import check_export, load_drafter, read_export_weights, run_eval
+    from models.export import ExportError
+
+    model, tok = tiny_target
+    truncated = _copy_export(exported_drafter, tmp_path / "truncated")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # a copy cut short
+    for load in (lambda: load_drafter(str(truncated), model, "cpu", torch.float32, tok, "tiny"),
+                 lambda: check_export(str(truncated), resolve_target(str(tiny_target_dir)), tok)):
+        with pytest.raises(ExportError, match=rf"^{weights}: cannot be read \(Error while deserializing header"):
+            load()
+    pickled = _copy_export(exported_drafter, tmp_path / "pickled")
+    (pickled / "model.safetensors").unlink()
+    (pickled / "pytorch_model.bin").write_bytes(b"not a torch file")
+    with pytest.raises(ExportError, match=rf"^{pickled / 'pytorch_model.bin'}: cannot be read"):
+        read_export_weights(str(pickled))
+    for text in ('{"architectures": ["LlamaForCausalLMEagle3"], ', "[1, 2]", '{"drafters_target": "tiny"}'):
+        broken = _copy_export(exported_drafter, tmp_path / f"json{len(text)}")
+        (broken / "config.json").write_text(text)
+        prompts = tmp_path / "p.jsonl"
+        prompts.write_text(json.dumps({"prompt": "Hi"}) + "\n")
+        monkeypatch.setattr("data_prep.targets.load_target", lambda *a, **k: pytest.fail("the target loaded"))
+        with pytest.raises(ExportError, match=rf"^{broken / 'config.json'}: "):
+            run_eval(EvalConfig(drafter=str(broken), target=str(tiny_target_dir), prompts=str(prompts),
+                                out_dir=str(tmp_path / "o")), progress=False)
+    # and through the launcher: exit 2, the file named, no traceback
+    res = subprocess.run([sys.executable, str(REPO / "launch" / "eval.py"), f"drafter={truncated}",
+                          f"target={tiny_target_dir}", f"prompts={prompts}", f"out_dir={tmp_path / 'out'}",
+                          "dtype=float32", "threads=1"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 2 and f"error: {weights}: cannot be read (" in res.stderr, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+
+
+def test_engine_vllm_without_vllm_stops_before_anything_decodes(tmp_path, tiny_target_dir: Path,
+                                                                exported_drafter: Path) -> None:
+    """vllm.python naming a python without vLLM (this suite's own): exit 2, named, before the target loads."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Hi"}) + "\n")
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, str(REPO / "launch" / "eval.py"), f"drafter={exported_drafter}",
+                          f"target={tiny_target_dir}", f"prompts={prompts}", f"out_dir={out}", "dtype=float32",
+                          "threads=1", "engine=vllm", "decode.mode=chain", f"vllm.python={sys.executable}"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert f"error: engine=vllm: vllm.python={sys.executable} has vLLM none" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and "eval chain" not in res.stderr and not (out / "report.json").exists()
 
 
 def test_a_trained_drafter_evaluates_on_its_target_and_is_refused_on_another(
@@ -370,13 +461,14 @@ def test_eval_reports_every_category_with_intervals(tmp_path, tiny_target_dir: P
         assert len(c["alpha"]) == 3 and c["tokens_per_s"]["speculative"] > 0 and c["tokens_per_s"]["baseline"] > 0
         assert c["speedup"] == pytest.approx(c["tokens_per_s"]["speculative"] / c["tokens_per_s"]["baseline"])
         assert c["speedup_predicted"] > 0 and 0.0 <= c["oov_rate"] <= 1.0
-        if c["tau"] is not None:
-            assert c["tau_ci95"][0] <= c["tau"] <= c["tau_ci95"][1]
-    # the pooled τ is the turns' pooled τ; the suite's entry pools its categories
-    assert report["suites"]["mine"]["turns"] == 9 and report["suites"]["mine"]["tau"] == pytest.approx(
-        report["tau_pooled"], nan_ok=True)
+        assert c["prompts"] == 3 and c["tau_ci95"] is None  # fewer than 5 prompts: no interval
+    # the pooled τ is the turns' pooled τ; the suite's entry pools its categories, 6 prompts: an interval
+    suite = report["suites"]["mine"]
+    assert suite["turns"] == 9 and suite["prompts"] == 6 and suite["tau"] == pytest.approx(report["tau_pooled"])
+    assert suite["tau_ci95"][0] <= suite["tau"] <= suite["tau_ci95"][1] and report["tau_ci95"] == suite["tau_ci95"]
     assert report["cycle_cost"]["verified_tokens"] == 4 and set(report["cycle_cost"]["forward_s"]) == {"1", "4"}
     table = (out / "categories.md").read_text()
     assert "| mine | writing | 6 |" in table and "| mine | math | 3 |" in table and "bootstrap" in table
+    assert table.count(" [n<5] |") == 2
     assert "| mine | writing | 6 |" in res.stdout  # the same table printed at the end
     assert (out / "categories.png").stat().st_size > 1000

@@ -75,9 +75,9 @@ def _fake_suite(tmp_path: Path, monkeypatch, name: str, file: str, content: byte
 def test_a_broken_suite_record_names_its_file_and_line(tmp_path, monkeypatch) -> None:
     from eval.prompts import _humaneval
 
-    good = json.dumps({"task_id": "a", "prompt": "def f():\n"})
+    good = [json.dumps({"task_id": t, "prompt": "def f():\n"}) for t in "ab"]
     _fake_suite(tmp_path, monkeypatch, "codex", "data.jsonl",
-                f"{good}\n{good}\n{json.dumps({'task_id': 'c', 'prompt': '  '})}\n".encode(), to_record=_humaneval)
+                f"{good[0]}\n{good[1]}\n{json.dumps({'task_id': 'c', 'prompt': '  '})}\n".encode(), to_record=_humaneval)
     with pytest.raises(PromptsError, match=r"data\.jsonl:3: 'prompt' must be a non-empty string"):
         load_prompts("codex", per_category=1)  # a cap does not skip the check of later records
     from eval.prompts import _listed, _math
@@ -95,17 +95,73 @@ def test_a_broken_suite_record_names_its_file_and_line(tmp_path, monkeypatch) ->
         load_prompts("gone")
 
 
+def test_a_repeated_prompt_id_is_refused_naming_file_and_lines(tmp_path, monkeypatch) -> None:
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"id": "a", "prompt": "x"}\n\n{"id": "b", "prompt": "y"}\n{"id": "a", "prompt": "z"}\n')
+    with pytest.raises(PromptsError, match=rf"{f}:4: prompt id 'a' is already that of line 1"):
+        load_prompts(str(f))
+    f.write_text('{"id": 3, "prompt": "x"}\n{"prompt": "y"}\n{"prompt": "z"}\n')  # no id: named by its line
+    with pytest.raises(PromptsError, match=rf"{f}:3: prompt id '3' is already that of line 1"):
+        load_prompts(str(f))
+    from eval.prompts import _listed, _math
+
+    _fake_suite(tmp_path, monkeypatch, "mathz", "en.json", json.dumps(
+        [{"gid": 1, "data_source": "X", "question": "1+1?"}, {"gid": 1, "data_source": "Y", "question": "2+2?"}]
+    ).encode(), to_record=_math, records=_listed)
+    with pytest.raises(PromptsError, match=r"en\.json record 1: prompt id '1' is already that of record 0"):
+        load_prompts("mathz")
+
+
+@pytest.mark.parametrize(("record", "message"), [
+    ({"prompt": "x", "category": ["math", "code"]}, """'category' must be a non-empty string, got ["math", "code"]"""),
+    ({"prompt": "x", "category": 3}, "'category' must be a non-empty string, got 3"),
+    ({"prompt": "x", "category": " "}, "'category' must be a non-empty string"),
+    ({"prompt": "x", "id": {"n": 1}}, "a prompt's id must be a non-empty string or an integer"),
+], ids=["list", "number", "blank", "dict-id"])
+def test_a_category_or_id_that_is_no_name_is_refused(tmp_path, record: dict, message: str) -> None:
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"id": "ok", "prompt": "fine", "category": "c"}) + "\n" + json.dumps(record) + "\n")
+    with pytest.raises(PromptsError) as e:
+        load_prompts(str(f))
+    assert str(e.value).startswith(f"{f}:2: ") and message in str(e.value), str(e.value)
+
+
 def test_bootstrap_interval() -> None:
     from eval.categories import bootstrap_tau_ci
 
     assert bootstrap_tau_ci([(30, 10)] * 5) == pytest.approx([3.0, 3.0])  # no spread between prompts
-    lo, hi = bootstrap_tau_ci([(10, 10), (40, 10)])  # τ 1 and 4: draws of [1,1], [1,4], [4,4]
-    assert lo == pytest.approx(1.0) and hi == pytest.approx(4.0)
+    # τ 1, 2, 3, 4, 5 with equal weight: pooled 3; the resampled means spread about ± 1.96 · 1.41 / sqrt(5) = ± 1.24
+    lo, hi = bootstrap_tau_ci([(10 * t, 10) for t in (1, 2, 3, 4, 5)])
+    assert 1.7 < lo < 2.0 and 4.0 < hi < 4.3
     # pooled 2.15; prompts 1.2 .. 3.1: standard error 0.577 / sqrt(20) = 0.129, so about 2.15 ± 0.25
     lo, hi = bootstrap_tau_ci([(12 + i, 10) for i in range(20)])
     assert 1.85 < lo < 1.95 and 2.35 < hi < 2.45
     assert bootstrap_tau_ci([(12 + i, 10) for i in range(20)]) == [lo, hi]  # seeded
-    assert bootstrap_tau_ci([]) is None and bootstrap_tau_ci([(0, 0)]) is None
+    assert bootstrap_tau_ci([]) is None and bootstrap_tau_ci([(0, 0)] * 5) is None
+    # under 5 prompts, no interval: two prompts (τ 1 and 4) have 3 distinct resamples, whose "percentiles" are
+    # the two prompts' own τ; four have 35
+    assert bootstrap_tau_ci([(10, 10), (40, 10)]) is None and bootstrap_tau_ci([(30, 10)] * 4) is None
+
+
+def test_a_category_of_few_prompts_has_no_interval_and_no_gap_verdict() -> None:
+    from eval.categories import acceptance_of, categories_markdown
+    from eval.spec_decode import GenerationRecord
+
+    def rec(accepts: list[int]) -> GenerationRecord:
+        return GenerationRecord(0, [1] * (sum(accepts) + len(accepts)), "length", 1.0, len(accepts) + 1, accepts,
+                                [len(accepts)], [sum(a > 0 for a in accepts)])
+
+    samples = [{"suite": "s", "category": "c", "id": str(i), "turn": 0} for i in range(5)]
+    spec = [rec([a, a]) for a in (0, 1, 2, 1, 0)]
+    five = acceptance_of(samples, spec, range(5), 1)
+    four = acceptance_of(samples, spec, range(4), 1)
+    assert five["prompts"] == 5 and five["tau_ci95"] is not None and five["tau_ci95"][0] <= five["tau"]
+    assert four["prompts"] == 4 and four["tau_ci95"] is None and four["tau"] == pytest.approx(2.0)
+    entry = {"suite": "s", "category": "c", "turns": 4, **four, "identical": None, "oov_rate": 0.0,
+             "tokens_per_s": {"speculative": 1.0, "baseline": 1.0}, "speedup": 1.0,
+             "engine": {"tau": 9.0, "alpha": [0.5], "tokens_per_s": {"speculative": 1.0, "baseline": 1.0}}}
+    row = categories_markdown([entry]).splitlines()[2]
+    assert row.startswith("| s | c | 4 | 2.000 [n<5] |") and row.endswith("| n<5 |") and "outside CI" not in row
 
 
 def test_engine_counters_read_as_our_definitions() -> None:
@@ -136,13 +192,15 @@ def test_gap_flag_and_tables() -> None:
              "identical": {"count": 4, "of": 4}, "oov_rate": 0.1, "tokens_per_s": {"speculative": 10.0, "baseline": 12.0},
              "speedup": 10 / 12, "speedup_predicted": 0.9, "engine": {"tau": 1.55, "alpha": [0.55, 0.3],
                                                                         "tokens_per_s": {"speculative": 9.0, "baseline": 8.0}}}
-    assert not tau_outside_interval(entry)
-    assert not tau_outside_interval({**entry, "tau_ci95": [1.55 + 1e-12, 1.55 + 1e-12]})  # equal, but for rounding
+    assert tau_outside_interval(entry) is False
+    assert tau_outside_interval({**entry, "tau_ci95": [1.55 + 1e-12, 1.55 + 1e-12]}) is False  # equal, but for rounding
     far = {**entry, "engine": {**entry["engine"], "tau": 1.7}}
-    assert tau_outside_interval(far)
+    assert tau_outside_interval(far) is True
+    assert tau_outside_interval({**far, "tau_ci95": None}) is None  # no interval: not judged
+    assert tau_outside_interval({**entry, "engine": {**entry["engine"], "tau": None}}) is None
     table = categories_markdown([entry, far]).splitlines()
     assert table[2].startswith("| s | c | 4 | 1.500 [1.40, 1.60] | 0.50 – | 4/4 | 0.100 | 10.0 | 12.0 | 0.833 (0.900) ")
-    assert not table[2].endswith("**outside CI** |") and table[3].endswith("**outside CI** |")
+    assert table[2].endswith("| 9.0 / 8.0 |  |") and table[3].endswith("**outside CI** |")
 
 
 def test_predicted_speedup_from_the_verify_cost() -> None:
