@@ -300,7 +300,7 @@ class VLLMServer:
         """Why the server is gone: the signal that killed it or its guard, else vLLM's reason from its log."""
         status = self.guard.poll() if self.guard is not None else self.guard_status
         ending = guard_ending(self.log_path)
-        if status is not None and status < 0 and ending is None:
+        if status is not None and status < 0:  # the guard ends by itself; killed, the sentinel stopped the rest
             return (f"its guard (pid {self.guard.pid if self.guard else '?'}) was killed by "
                     f"{signal.Signals(-status).name}, and the server with it")
         if ending is not None and "killed by" in ending:

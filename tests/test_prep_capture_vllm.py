@@ -701,3 +701,71 @@ def test_a_users_server_in_another_dtype_is_refused_naming_both(tmp_path: Path, 
     assert proc.returncode == 3 and "Traceback" not in err, err[-3000:]
     assert re.search(r"vLLM server http://127.0.0.1:\d+ computes in bfloat16, prep in float32 .*start it with --dtype "
                      r"float32", err), err[-3000:]
+
+
+def _socket_files(root: Path) -> set[str]:
+    import stat
+
+    return {p.name for p in root.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)} if root.is_dir() else set()
+
+
+@needs_vllm
+def test_real_vllm_step_wide_signals_and_a_killed_guard(tmp_path: Path) -> None:
+    """The real server under prep, signalled SLURM's way (every process of the step: prep, the guard, vLLM's API
+    server, engine core and worker): SIGUSR1 mid-capture exits 75 (vLLM ignores it, prep stops), SIGTERM mid-capture
+    exits 75 (vLLM exits on it, prep stops all the same); kill -9 of the guard alone mid-capture is one engine error
+    naming the server and its guard; nothing of vLLM is left running and no socket file of its is left in $TMPDIR
+    after any of them; the resume completes the shards, every sample once, equal to the HF capture."""
+    import signal
+    import time
+
+    assert not _vllm_processes(VLLM_PYTHON), "another vLLM is running: this test counts its processes"
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    common = {"num_samples": 12, "eval_samples": 2, "max_len": 384, "dtype": "float32", "draft_vocab_count": "train",
+              "regen.enabled": False}
+    run_prep(tmp_path / "hf", "smollm2-135m-instruct", "sharegpt-embedded", **common)
+    vllm_cfg = {**common, "capture.engine": "vllm", "vllm.python": VLLM_PYTHON, "capture.tokens_per_shard": 1,
+                "vllm.max_in_flight": 2, "vllm.scratch_dir": str(tmp_path / "scratch")}
+    out = tmp_path / "vllm"
+
+    def start_and_wait_for_a_shard() -> subprocess.Popen:
+        proc = _prep_process(out, "smollm2-135m-instruct", "sharegpt-embedded", {"TMPDIR": str(tmpdir)}, **vllm_cfg,
+                             **{"+vllm.engine_kwargs.enforce_eager": "true"})
+        deadline = time.time() + 600
+        before = len(completed_sample_ids(out / "train")) if (out / "train").exists() else 0
+        while (len(completed_sample_ids(out / "train")) if (out / "train").exists() else 0) <= before:
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.5)
+        return proc
+
+    def nothing_left() -> None:
+        deadline = time.time() + 60
+        while _vllm_processes(VLLM_PYTHON) and time.time() < deadline:
+            time.sleep(0.5)
+        assert not _vllm_processes(VLLM_PYTHON), "vLLM processes outlived the stop"
+        assert not _socket_files(tmpdir), "vLLM's socket files were left in $TMPDIR"
+
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        proc = start_and_wait_for_a_shard()
+        assert len(_tree(proc.pid)) >= 4  # prep, the guard, the sentinel, vLLM's API server and its engine
+        _signal_tree(proc.pid, sig)
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 75 and "Traceback" not in err, err[-3000:]
+        nothing_left()
+    proc = start_and_wait_for_a_shard()
+    guard = next(p for p in _tree(proc.pid) if "--guard" in Path(f"/proc/{p}/cmdline").read_bytes().decode(
+        errors="replace").replace("\0", " "))
+    os.kill(guard, signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 3 and err.count("engine error on rank 0 of 1") == 1, err[-3000:]
+    assert re.search(r"vLLM server http://127.0.0.1:\d+ \(log: .*vllm.r0.log\) exited: its guard \(pid \d+\) was killed "
+                     r"by SIGKILL", err), err[-3000:]
+    nothing_left()
+    summary = run_prep(out, "smollm2-135m-instruct", "sharegpt-embedded", **vllm_cfg,
+                       **{"vllm.engine_kwargs": {"enforce_eager": True}})
+    hf = json.loads((tmp_path / "hf" / "summary.json").read_text())
+    assert summary["samples"] == hf["samples"] and summary["tokens"] == hf["tokens"]
+    for split in ("train", "eval"):
+        assert list(_samples(out, split)) == list(_samples(tmp_path / "hf", split))  # every sample once, in order
+    assert not list((tmp_path / "scratch").iterdir())
