@@ -9,7 +9,11 @@
     spec_decode.py  SpeculativeDecoder.generate and plain_generate (token ids only), GenerationRecord
     metrics.py      τ pooled / per request, α_n, accepted-length histogram
     budget.py       choose_total_tokens: time the target to pick the verify budget m
-    prompts.py      MT-bench preset / JSONL prompts, chat rendering
+    prompts.py      the shipped suites and JSONL prompts (validated: file and line named), chat rendering
+    categories.py   per (suite, category): τ with a bootstrap interval (5 prompts or more), α, outputs, tokens/s
+    engine.py       the same prompts through vLLM's own server serving the export (engine=vllm): its counters,
+                    tokens/s, a draft-settings sweep and a load sweep, warmed up, the same sampling both sides
     run.py          the eval run behind launch/eval.py: report.json, plots, summary
     peers.py        transformers' prompt-lookup assisted decoding as a peer baseline
+    plots.py        the report's plots (α per depth, categories)
 """

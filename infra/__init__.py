@@ -1,10 +1,12 @@
-"""The floor every package stands on: what data_prep/, train/, eval/, launch/ and bench/ all use, importing nothing
+"""The floor every package stands on: what data_prep/, train/, eval/, launch/ and bench/ use, importing nothing
 else of ours (tests/test_architecture.py).
 
     strict_json    strict JSON and atomic writes for every file and line the project writes
     files          weights files (safetensors) written with the mode the umask gives every other file
     dirlock        one writer per prep or run directory
     preemption     SIGTERM/SIGUSR1 as a clean, resumable stop (exit 75), and dying with the launcher
+    processes      a free local port, dying with one's parent, a process's peak memory
     config_keys    config keys checked against their schema; ConfigError, the user error of a config
-    vllm_server    vLLM's own server started, checked and stopped (prep's engine, eval's engine check, benches)
+    vllm_server    vLLM's own server started under a guard, checked and stopped, and the HTTP to it (prep's servers,
+                   eval's engine evaluation, benches); what vLLM's python imports of ours is the caller's to name
 """

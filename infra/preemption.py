@@ -7,8 +7,10 @@ before the time limit. While `StopSignals` is installed, either signal only sets
   by any one rank stops every rank after the same step: they write a checkpoint at that step, rank 0 writes
   summary.json ("preempted": the signal's name) and every rank exits with PREEMPTED. `train.resume=true` continues
   from that checkpoint as from any other.
-- prep's capture (data_prep/pipeline.py) finishes the batch in flight, writes its samples into a last shard
-  (recorded in this rank's manifest) and exits with PREEMPTED; a rerun skips what is recorded, as after a crash.
+- prep (data_prep/pipeline.py) holds one StopSignals for its whole run: the transformers capture finishes the batch
+  in flight, a vLLM regeneration or capture stops at once (also when the server got the signal too and exited), any
+  other stage at its end; the samples captured go into a last shard (recorded in this rank's manifest) and it exits
+  with PREEMPTED; a rerun skips what is recorded, as after a crash.
 
 PREEMPTED is 75, EX_TEMPFAIL of sysexits.h ("a temporary failure; retry"): distinct from success (0), a bug (1) and
 a user error (2, launch/errors.py). Each worker exits with it; torchrun itself reports the workers' statuses and

@@ -4,8 +4,8 @@
     torchrun --nproc_per_node 8 launch/prep.py model=gpt-oss-120b data=<jsonl> regen.backend=openai ...
 
 See data_prep/pipeline.py for the output layout and data_prep/shards.py for the shard format. SIGTERM or SIGUSR1
-during the capture writes the batch in flight as a last shard and exits with status 75 (infra/preemption.py);
-the same command resumes. Several nodes and SLURM: docs/cluster.md, launch/slurm/prep.sbatch.
+stops it at the next boundary (at once while it waits on vLLM), writes what it captured as a last shard and exits
+with status 75 (infra/preemption.py); the same command resumes. Several nodes and SLURM: docs/cluster.md, launch/slurm/prep.sbatch.
 """
 
 from hydra.core.config_store import ConfigStore
