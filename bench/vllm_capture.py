@@ -92,7 +92,7 @@ def _vllm_capture(python: str, preset, tap_layers, samples, work_dir: Path, max_
     got = {}
     start = time.perf_counter()
     with VLLMClient(spec, cfg, python=python, cuda=bool(check_vllm(python, VLLM_PLUGIN).get("cuda")), rank=0, world=1,
-                    local_rank=0, num_devices=0, log_path=work_dir / "vllm_capture.log") as client:
+                    local_rank=0, log_path=work_dir / "vllm_capture.log") as client:
         startup = client.wait_ready()
         capture_start = time.perf_counter()
         probe = frozenset(s.conversation_id for s in samples[:PROBE])  # vLLM's top-1 at every position of these

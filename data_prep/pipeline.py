@@ -143,7 +143,7 @@ class RankDevices:
     note: str = ""
 
     def describe(self) -> str:
-        server = f"vLLM server on devices {self.server}" if self.server is not None else "no vLLM server of its own"
+        server = f"vLLM server on devices {self.server}" if self.server is not None else "no devices for a vLLM server"
         return (f"{server}; head {self.head}; transformers target {self.hf_target or 'not loaded'}"
                 + (f" ({self.note})" if self.note else ""))
 
@@ -628,7 +628,7 @@ def plan_prep(cfg: PrepConfig) -> PrepPlan:
 
 
 def rank_servers(cfg: PrepConfig, plan: PrepPlan, preset: TargetPreset, tap_layers: list[int], python: str | None,
-                 cuda: bool, node_devices: int, part: int, rank: int, world: int, out: Path, should_stop):
+                 cuda: bool, devices: RankDevices, part: int, rank: int, world: int, out: Path, should_stop):
     """This rank's vLLM servers (data_prep/vllm_client.py): `with` starts them (they build in the background) or
     connects to the user's."""
     from data_prep.vllm_capture import engine_layer_ids
@@ -642,7 +642,7 @@ def rank_servers(cfg: PrepConfig, plan: PrepPlan, preset: TargetPreset, tap_laye
                       engine_kwargs=dict(cfg.vllm.engine_kwargs))
     local_rank, local_world = _local()
     return VLLMClient(spec, cfg.vllm, python=python, cuda=cuda, rank=rank, world=world, local_rank=local_rank,
-                      local_world=local_world, num_devices=node_devices, log_path=out / f"vllm.r{part}.log",
+                      local_world=local_world, devices=devices.server, log_path=out / f"vllm.r{part}.log",
                       should_stop=should_stop)
 
 
@@ -706,7 +706,7 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
             print(f"prep devices, local rank 0: {devices.describe()}")
         client = None
         if plan.vllm:  # first: a server that cannot start fails the prep before any other long work
-            client = stack.enter_context(rank_servers(cfg, plan, preset, tap_layers, python, cuda, node_devices, part,
+            client = stack.enter_context(rank_servers(cfg, plan, preset, tap_layers, python, cuda, devices, part,
                                                       rank, world, out, should_stop))
         model = None
         if plan.hf_target == "first":

@@ -1,7 +1,7 @@
 """Prep's side of its vLLM servers (`vllm.*`, data_prep/config.py VLLMConfig): the servers a prep rank uses, and
 the requests regeneration (regen.backend=vllm) and capture (capture.engine=vllm) send them.
 
-    with VLLMClient(spec, cfg.vllm, rank=r, world=w, local_rank=l, log_path=out / "vllm.r0.log") as client:
+    with VLLMClient(spec, cfg.vllm, rank=r, world=w, local_rank=l, devices="2,3", log_path=out / "vllm.r0.log") as client:
         client.wait_ready()                                   # bounded by vllm.timeout_s
         client.generate([prompt ids, ...], max_tokens=256, temperature=0.0, stop_token_ids=[2])
         for key, path, choice in client.capture([(key, ids), ...]): ...   # in order; each file deleted after
@@ -9,8 +9,8 @@ the requests regeneration (regen.backend=vllm) and capture (capture.engine=vllm)
 Where the servers come from:
 - started by prep (vllm.urls empty): one `vllm serve` per prep rank (infra/vllm_server.py: guarded, dies with
   prep), on the rank's own block of vllm.tensor_parallel_size x pipeline_parallel_size devices of its node
-  (local rank l takes devices l*g .. l*g+g-1 of CUDA_VISIBLE_DEVICES, or of the devices vLLM's own check counts on
-  the node), on 127.0.0.1 and a free port, with the extraction when the prep captures through it (`serve_args`).
+  (`devices`: local rank l takes devices l*g .. l*g+g-1 of CUDA_VISIBLE_DEVICES, or of the devices vLLM's own check
+  counts on the node; data_prep/pipeline.py rank_devices), on 127.0.0.1 and a free port, with the extraction when the prep captures through it (`serve_args`).
   Start one prep rank per server group of a node: 8 GPUs, TP 1 -> 8 ranks; TP 2 -> 4; TP 8 -> 1.
 - the user's (vllm.urls): servers already running (one per node or more, started with `serve_args`' flags, which
   docs/scaling.md writes out). A rank uses the servers of its own node (`node_urls`: its files are node-local), the
@@ -57,7 +57,6 @@ from infra.vllm_server import (
     VLLMServerError,
     abort,
     cli_args,
-    device_group,
     model_card,
     post_json,
     progress_counters,
@@ -193,7 +192,7 @@ class VLLMClient:
     them (returns at once: they build while prep goes on) and stops what it started, deleting the scratch."""
 
     def __init__(self, spec: ServerSpec, cfg: VLLMConfig, *, python: str | None, cuda: bool, rank: int, world: int,
-                 local_rank: int, log_path: Path, local_world: int = 1, num_devices: int = 0,
+                 local_rank: int, log_path: Path, local_world: int = 1, devices: str | None = None,
                  should_stop: Callable[[], int] | None = None):
         self.spec, self.cfg, self.log_path = spec, cfg, Path(log_path)
         self.rank, self.local_world, self.timeout_s = rank, local_world, cfg.timeout_s
@@ -215,8 +214,7 @@ class VLLMClient:
         else:
             if python is None:
                 raise ValueError("a started server needs vllm.python")
-            self.devices = device_group(local_rank, spec.tensor_parallel_size * spec.pipeline_parallel_size,
-                                        num_devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
+            self.devices = devices  # the rank's block of the node's devices (data_prep/pipeline.py rank_devices)
             self.python, self.cuda = python, cuda
             self.endpoints = []
         self._sent = self._files = 0
@@ -316,18 +314,27 @@ class VLLMClient:
         readings = [progress_counters(e.url) for e in self.endpoints]
         return None if any(r is None for r in readings) else sum(readings)  # type: ignore[misc]
 
-    def _result(self, future: Future) -> dict:
-        """A finished request's answer; Preempted instead of its error when a stop signal came (SLURM signals the
-        server as well as prep, and vLLM exits on SIGTERM)."""
+    def _result(self, future: Future, where: str) -> dict:
+        """A finished request's answer: VLLMServerError for a request the server aborted (vLLM answers what is in
+        flight with finish_reason "abort" as it shuts down), and Preempted instead of any engine error once a stop
+        signal came (`stop_instead`)."""
         try:
-            return future.result()
-        except VLLMServerError:
-            deadline = time.monotonic() + SIGNAL_LAG_S
-            while not self._stopped() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if self._stopped():
-                raise Preempted(self._stopped()) from None
-            raise
+            answer = future.result()
+            reason = ((answer.get("choices") or [{}])[0]).get("finish_reason")
+            if reason not in ("stop", "length"):
+                raise VLLMServerError(f"{where} ended a request with finish_reason {reason!r}")
+            return answer
+        except VLLMServerError as e:
+            raise self.stop_instead(e) from None
+
+    def stop_instead(self, error: VLLMServerError) -> BaseException:
+        """What to raise for an engine error: Preempted when a stop signal came with it (SLURM signals the servers
+        as well as prep: vLLM exits on SIGTERM, aborting what is in flight, and its files may not be written), else
+        the error itself."""
+        deadline = time.monotonic() + SIGNAL_LAG_S
+        while not self._stopped() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return Preempted(self._stopped()) if self._stopped() else error
 
     def _stream(self, bodies: Iterable[tuple[dict, int]]) -> Iterator[dict]:
         """Send each (request body, bytes its file will take) and yield the answers in the order sent. At most
@@ -363,7 +370,7 @@ class VLLMClient:
                         silence.check()
                     continue
                 future, size = pending.popleft()
-                yield self._result(future)
+                yield self._result(future, self.where)
                 silence.answered()
                 outstanding -= size
         finally:
@@ -390,7 +397,10 @@ class VLLMClient:
         for (body, _), answer in zip(bodies, self._stream(bodies)):
             asked = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
             if asked is not None:
-                received_file(answer, asked, self.where).unlink()  # a regeneration's prompt states are not used
+                try:
+                    received_file(answer, asked, self.where).unlink()  # a regeneration's prompt states are not used
+                except VLLMServerError as e:
+                    raise self.stop_instead(e) from None
             choice = answer["choices"][0]
             out.append({"token_ids": list(map(int, choice["token_ids"])), "finish_reason": choice["finish_reason"]})
         return out
@@ -412,7 +422,10 @@ class VLLMClient:
                 body["prompt_logprobs"] = 1
             bodies.append((body, len(ids) * self.spec.file_bytes_per_token()))
         for (key, _), (body, _), answer in zip(items, bodies, self._stream(bodies)):
-            path = received_file(answer, body["kv_transfer_params"]["hidden_states_path"], self.where, key)
+            try:
+                path = received_file(answer, body["kv_transfer_params"]["hidden_states_path"], self.where, key)
+            except VLLMServerError as e:
+                raise self.stop_instead(e) from None
             try:
                 yield key, path, next_tokens(answer)
             finally:

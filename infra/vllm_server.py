@@ -1,5 +1,5 @@
 """vLLM's own OpenAI-compatible server, started, checked and stopped: the one home of the project's vLLM plumbing
-(prep's servers, data_prep/vllm_client.py; eval's engine evaluation, eval/engine.py; the benches).
+(prep's servers, eval's engine evaluation, the benches: each names the module of its own that vLLM's python runs).
 
 vLLM lives in its own virtual environment (it pins its own torch), so a server is `<vllm python> -m
 vllm.entrypoints.openai.api_server ...` (what `vllm serve` runs), never imported here.

@@ -532,6 +532,31 @@ def _vllm_processes(python: str) -> list[int]:
     return found
 
 
+def _real_capture_prep(tmp_path: Path) -> dict:
+    """The real-vLLM capture prep's overrides (12 samples, fp32, one sample a shard), after the HF prep of the same
+    samples in tmp_path/hf; none of vLLM may be running (the tests count its processes)."""
+    assert not _vllm_processes(VLLM_PYTHON), "another vLLM is running: this test counts its processes"
+    common = {"num_samples": 12, "eval_samples": 2, "max_len": 384, "dtype": "float32", "draft_vocab_count": "train",
+              "regen.enabled": False}
+    run_prep(tmp_path / "hf", "smollm2-135m-instruct", "sharegpt-embedded", **common)
+    return {**common, "capture.engine": "vllm", "vllm.python": VLLM_PYTHON, "capture.tokens_per_shard": 1,
+            "vllm.max_in_flight": 2, "vllm.scratch_dir": str(tmp_path / "scratch")}
+
+
+def _started_until_a_shard(out: Path, vllm_cfg: dict, env: dict) -> subprocess.Popen:
+    """The real-vLLM prep in a process of its own, returned once it has written one more shard."""
+    import time
+
+    proc = _prep_process(out, "smollm2-135m-instruct", "sharegpt-embedded", env, **vllm_cfg,
+                         **{"+vllm.engine_kwargs.enforce_eager": "true"})
+    deadline = time.time() + 600
+    before = len(completed_sample_ids(out / "train")) if (out / "train").exists() else 0
+    while (len(completed_sample_ids(out / "train")) if (out / "train").exists() else 0) <= before:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.5)
+    return proc
+
+
 @needs_vllm
 def test_real_vllm_kill_9_leaves_no_vllm_process_and_sigterm_resumes_equal(tmp_path: Path) -> None:
     """The real server under prep: kill -9 of prep mid-capture leaves no vLLM process (API server, engine core,
@@ -540,23 +565,11 @@ def test_real_vllm_kill_9_leaves_no_vllm_process_and_sigterm_resumes_equal(tmp_p
     import signal
     import time
 
-    assert not _vllm_processes(VLLM_PYTHON), "another vLLM is running: this test counts its processes"
-    common = {"num_samples": 12, "eval_samples": 2, "max_len": 384, "dtype": "float32", "draft_vocab_count": "train",
-              "regen.enabled": False}
-    run_prep(tmp_path / "hf", "smollm2-135m-instruct", "sharegpt-embedded", **common)
-    vllm_cfg = {**common, "capture.engine": "vllm", "vllm.python": VLLM_PYTHON, "capture.tokens_per_shard": 1,
-                "vllm.max_in_flight": 2, "vllm.scratch_dir": str(tmp_path / "scratch")}
+    vllm_cfg = _real_capture_prep(tmp_path)
     out = tmp_path / "vllm"
 
     def start_and_wait_for_a_shard() -> subprocess.Popen:
-        proc = _prep_process(out, "smollm2-135m-instruct", "sharegpt-embedded", {}, **vllm_cfg,
-                             **{"+vllm.engine_kwargs.enforce_eager": "true"})
-        deadline = time.time() + 600
-        before = len(completed_sample_ids(out / "train")) if (out / "train").exists() else 0
-        while (len(completed_sample_ids(out / "train")) if (out / "train").exists() else 0) <= before:
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
-            time.sleep(0.5)
-        return proc
+        return _started_until_a_shard(out, vllm_cfg, {})
 
     proc = start_and_wait_for_a_shard()
     assert _vllm_processes(VLLM_PYTHON)
@@ -719,25 +732,13 @@ def test_real_vllm_step_wide_signals_and_a_killed_guard(tmp_path: Path) -> None:
     import signal
     import time
 
-    assert not _vllm_processes(VLLM_PYTHON), "another vLLM is running: this test counts its processes"
     tmpdir = tmp_path / "tmpdir"
     tmpdir.mkdir()
-    common = {"num_samples": 12, "eval_samples": 2, "max_len": 384, "dtype": "float32", "draft_vocab_count": "train",
-              "regen.enabled": False}
-    run_prep(tmp_path / "hf", "smollm2-135m-instruct", "sharegpt-embedded", **common)
-    vllm_cfg = {**common, "capture.engine": "vllm", "vllm.python": VLLM_PYTHON, "capture.tokens_per_shard": 1,
-                "vllm.max_in_flight": 2, "vllm.scratch_dir": str(tmp_path / "scratch")}
+    vllm_cfg = _real_capture_prep(tmp_path)
     out = tmp_path / "vllm"
 
     def start_and_wait_for_a_shard() -> subprocess.Popen:
-        proc = _prep_process(out, "smollm2-135m-instruct", "sharegpt-embedded", {"TMPDIR": str(tmpdir)}, **vllm_cfg,
-                             **{"+vllm.engine_kwargs.enforce_eager": "true"})
-        deadline = time.time() + 600
-        before = len(completed_sample_ids(out / "train")) if (out / "train").exists() else 0
-        while (len(completed_sample_ids(out / "train")) if (out / "train").exists() else 0) <= before:
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
-            time.sleep(0.5)
-        return proc
+        return _started_until_a_shard(out, vllm_cfg, {"TMPDIR": str(tmpdir)})
 
     def nothing_left() -> None:
         deadline = time.time() + 60

@@ -125,7 +125,7 @@ def test_scratch_must_hold_one_sample(tmp_path: Path) -> None:
     spec = ServerSpec(model="/m", dtype="bfloat16", max_model_len=40_001, hidden_size=2880, layer_ids=[2, 18, 33, 36])
     with pytest.raises(ConfigError, match=r"vllm.scratch_gb=0.5 holds less than one sample of max_len \(40000 tokens"):
         VLLMClient(spec, VLLMConfig(scratch_gb=0.5), python="/x", cuda=False, rank=0, world=1, local_rank=0,
-                   num_devices=0, log_path=tmp_path / "vllm.log")
+                   log_path=tmp_path / "vllm.log")
     # the node's ranks together: scratch_gb x ranks per node must be free on the scratch's filesystem
     client = VLLMClient(spec, VLLMConfig(scratch_gb=2.0, scratch_dir=str(tmp_path)), python="/x", cuda=False, rank=0,
                         world=1, local_rank=0, local_world=1_000_000, log_path=tmp_path / "vllm.log")
@@ -262,12 +262,13 @@ def test_the_guard_stops_the_servers_whole_process_group_when_its_parent_goes(tm
     assert _wait_gone([server, child]) == []
 
 
-def _client(tmp_path: Path, model: Path, env_log: Path, **cfg) -> VLLMClient:
+def _client(tmp_path: Path, model: Path, env_log: Path, devices: str | None = None, **cfg) -> VLLMClient:
     spec = ServerSpec(model=str(model), dtype="float32", max_model_len=256, hidden_size=64,
                       tensor_parallel_size=cfg.pop("tp", 1))
     return VLLMClient(spec, VLLMConfig(scratch_dir=str(tmp_path / "scratch"), **cfg), python=standin_python(tmp_path),
                       cuda=False, rank=int(os.environ.get("RANK", 0)), world=int(os.environ.get("WORLD_SIZE", 1)),
-                      local_rank=int(os.environ.get("LOCAL_RANK", 0)), num_devices=0, log_path=tmp_path / "vllm.log")
+                      local_rank=int(os.environ.get("LOCAL_RANK", 0)), log_path=tmp_path / "vllm.log",
+                      devices=devices)
 
 
 @pytest.mark.integration
@@ -280,7 +281,13 @@ def test_a_started_server_gets_its_rank_devices_and_no_torchrun_variables(tmp_pa
     for k, v in torchrun_env(1, 4, 1, 4).items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
-    with _client(tmp_path, tiny_target_dir, log, tp=2) as client:
+    from data_prep.pipeline import rank_devices
+
+    cfg, plan = _plan_cfg(tp=2)  # the layout prep computes: vLLM counts 8 devices, prep's own torch none
+    layout = rank_devices(cfg, plan, local_rank=1, local_world=4, prep_devices=0, node_devices=8,
+                          visible=os.environ["CUDA_VISIBLE_DEVICES"])
+    assert layout.head == "cpu"
+    with _client(tmp_path, tiny_target_dir, log, devices=layout.server, tp=2) as client:
         client.wait_ready()
         port = client.server.port
         out = client.generate([[1, 2, 3]], max_tokens=3, stop_token_ids=[0])
