@@ -398,7 +398,8 @@ class VLLMClient:
             asked = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
             if asked is not None:
                 try:
-                    received_file(answer, asked, self.where).unlink()  # a regeneration's prompt states are not used
+                    # a regeneration's prompt states are not used
+                    received_file(answer, asked, self.where, timeout_s=self.timeout_s).unlink()
                 except VLLMServerError as e:
                     raise self.stop_instead(e) from None
             choice = answer["choices"][0]
@@ -423,7 +424,8 @@ class VLLMClient:
             bodies.append((body, len(ids) * self.spec.file_bytes_per_token()))
         for (key, _), (body, _), answer in zip(items, bodies, self._stream(bodies)):
             try:
-                path = received_file(answer, body["kv_transfer_params"]["hidden_states_path"], self.where, key)
+                path = received_file(answer, body["kv_transfer_params"]["hidden_states_path"], self.where, key,
+                                     self.timeout_s)
             except VLLMServerError as e:
                 raise self.stop_instead(e) from None
             try:
@@ -432,11 +434,11 @@ class VLLMClient:
                 path.unlink(missing_ok=True)
 
 
-def received_file(answer: dict, asked: str, where: str, key: str | None = None) -> Path:
+def received_file(answer: dict, asked: str, where: str, key: str | None = None, timeout_s: float = 600.0) -> Path:
     """The connector file a finished request asked for (`asked`), once its writer has released it. VLLMServerError
     when the answer names no file or another one (a server without `allow_custom_save_path` writes into its own
     directory, outside this launch's scratch and its byte budget: that file is not this prep's to read or delete),
-    or when the file is not there (a server on another node)."""
+    or when the file is not there (a server on another node), or still locked by its writer after `timeout_s`."""
     path = (answer.get("kv_transfer_params") or {}).get("hidden_states_path")
     sample = f" for sample {key!r}" if key is not None else ""
     if path is None:
@@ -448,7 +450,16 @@ def received_file(answer: dict, asked: str, where: str, key: str | None = None) 
     lock = Path(path + ".lock")
     if lock.exists():
         with open(lock) as f:  # the connector's writer holds it exclusively until the file is written
-            fcntl.flock(f, fcntl.LOCK_SH)
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise VLLMServerError(f"{where} did not finish writing {path} within {timeout_s:.0f} s "
+                                              "(vllm.timeout_s)") from None
+                    time.sleep(0.01)
         lock.unlink(missing_ok=True)
     if not Path(path).exists():
         raise VLLMServerError(f"{where} wrote its hidden states to {path}, which this prep rank cannot read: a server "

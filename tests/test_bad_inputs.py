@@ -70,6 +70,23 @@ def test_prep_rejects_an_appended_unknown_key(tmp_path: Path, override: str, hin
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["vllm.max_in_flight=0"], "vllm.max_in_flight must be >= 1, got 0"),
+    (["vllm.timeout_s=0"], "vllm.timeout_s must be > 0, got 0"),
+    (["vllm.timeout_s=-5"], "vllm.timeout_s must be > 0, got -5"),
+    (["vllm.urls=[localhost:8000]"], "vllm.urls entry 'localhost:8000' is not http(s)://host:port"),
+    (["vllm.urls=[http://n1:8000]", "+vllm.engine_kwargs.enforce_eager=true"], "vllm.urls names servers already"),
+])
+def test_prep_refuses_a_bad_vllm_value_naming_the_key(tmp_path: Path, overrides: list[str], message: str) -> None:
+    """Every bad vllm.* value: one message naming the key, exit 2, no traceback, before anything loads."""
+    out = tmp_path / "prep"
+    r = subprocess.run([sys.executable, str(REPO / "launch" / "prep.py"), "capture.engine=vllm", *overrides,
+                        f"out={out}"], capture_output=True, text=True, env=ENV, timeout=120, cwd=REPO)
+    assert r.returncode == 2 and f"config error: {message}" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and not (out / "train").exists()
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("override", ["max_length=64", "+max_length=64"])
 def test_prep_refuses_a_renamed_key_naming_the_new_one(tmp_path: Path, override: str) -> None:
     """One name per concept (training's data.max_len): prep's old key stops before any work, naming the new."""
