@@ -36,6 +36,11 @@ Long sequences: ``overflow="truncate"`` keeps the first ``max_len`` tokens and t
 masked token left is dropped (``no_assistant_tokens``). Text that contains one of the tokenizer's
 special-token strings is dropped (``control_token_in_text``): it would tokenize into a real control
 token and forge turn boundaries.
+
+Counting only (the draft vocabulary's dataset-wide count): ``assistant_token_counts`` gives the loss-masked
+token counts of many conversations, equal to their ``render_conversation`` samples counted one by one, with the
+texts tokenized in one batch and the mask and count computed on arrays (tests/test_prep_vocab.py checks the two
+agree on the embedded dataset).
 """
 
 from __future__ import annotations
@@ -46,10 +51,13 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from data_prep.conversations import Message
 from infra.strict_json import dumps
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MessageLike = Message | Mapping[str, Any]
 _WS = re.compile(r"\s*")
@@ -209,15 +217,16 @@ def _turn_start(tok, msgs, i, full, lo, body_end, gen_suffix, chat_template, kw)
     return None
 
 
-def _assistant_spans(tok, msgs, full, chat_template, kw, special_re,
-                     cut: Sequence[bool] = ()) -> list[tuple[int, int, int]] | str:
+def _assistant_spans(tok, msgs, full, chat_template, kw, special_re, cut: Sequence[bool] = (),
+                     gen_suffix: str | None = None) -> list[tuple[int, int, int]] | str:
     """Per assistant turn, (start, end, body end) in `full`: the turn is [start, end); a turn whose `cut` is True
-    ends at its body end."""
+    ends at its body end. `gen_suffix`: `_generation_suffix`'s answer when the caller has it already (a batch)."""
     asst = [i for i, m in enumerate(msgs) if m.get("role") == "assistant"]
     ends = _body_ends(tok, msgs, asst, full, chat_template, kw)
     if ends is None:
         return "assistant contents not found in the rendered text"
-    gen_suffix = _generation_suffix(tok, chat_template, kw)
+    if gen_suffix is None:
+        gen_suffix = _generation_suffix(tok, chat_template, kw)
     header_tokens = set(special_re.findall(gen_suffix)) if special_re else set()
     spans, lo = [], 0
     for k, i in enumerate(asst):
@@ -234,17 +243,71 @@ def _assistant_spans(tok, msgs, full, chat_template, kw, special_re,
     return spans
 
 
-def _mask_from_spans(offsets, spans, full) -> list[int]:
-    mask, j = [0] * len(offsets), 0
-    for t, (a, b) in enumerate(offsets):
-        while j < len(spans) and a >= spans[j][1]:
-            j += 1
-        if j == len(spans):
-            break
-        s, e = spans[j][:2]
-        if b > s and a < e and (a >= s or not full[a:s].strip()):
-            mask[t] = 1
+def _mask_from_spans(offsets, spans, full) -> np.ndarray:
+    """bool [tokens]: the tokens overlapping a span [start, end) (module doc: a token that starts before its span
+    counts only if that part is whitespace). The tokens go through the spans with one pointer that never moves
+    back: token t looks at the first span ending after the start of any token up to t (a running maximum)."""
+    import numpy as np
+
+    offs = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    if not spans or not len(offs):
+        return np.zeros(len(offs), dtype=bool)
+    a, b = offs[:, 0], offs[:, 1]
+    starts = np.array([s for s, _, _ in spans], dtype=np.int64)
+    ends = np.array([e for _, e, _ in spans], dtype=np.int64)
+    j = np.maximum.accumulate(np.searchsorted(ends, a, side="right"))
+    inside = j < len(spans)
+    j = np.minimum(j, len(spans) - 1)
+    s, e = starts[j], ends[j]
+    mask = inside & (b > s) & (a < e)
+    for t in np.flatnonzero(mask & (a < s)):  # starts before its span: only over whitespace
+        mask[t] = not full[a[t]:s[t]].strip()
     return mask
+
+
+@dataclass
+class _LaidOut:
+    """A conversation as rendered, before tokenization: its text, its assistant turns' (start, end, body end) in it,
+    the generated ids to splice in as (char start, char end, ids), and the turns whose ids found no place."""
+    full: str
+    spans: list[tuple[int, int, int]]
+    regions: list[tuple[int, int, list[int]]]
+    missing: int
+
+
+def _check_renderable(tokenizer, chat_template: str | None) -> None:
+    """Setup errors, not bad records: a slow tokenizer (no character offsets) or no chat template at all."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise TypeError("render_conversation needs a fast tokenizer (character offsets)")
+    tokenizer.get_chat_template(chat_template)
+
+
+def _lay_out(tokenizer, messages: Sequence[MessageLike], chat_template: str | None, kw: dict[str, Any],
+             special_re: re.Pattern | None, gen_suffix: str | None = None) -> _LaidOut | Dropped:
+    """Steps 1-5 of the module doc up to the tokenization: the rendered text and where its assistant turns are."""
+    msgs = _as_dicts(messages)
+    if not any(m.get("role") == "assistant" for m in msgs):
+        return Dropped("no_assistant")
+    if special_re:
+        for m in msgs:
+            for key in ("content", "reasoning_content", "thinking"):
+                hit = special_re.search(m.get(key) or "")
+                if hit:
+                    return Dropped("control_token_in_text", f"{m['role']} contains {hit.group(0)!r}")
+    try:
+        full = _render(tokenizer, msgs, False, chat_template, kw)
+    except Exception as err:  # noqa: BLE001 - templates raise on inputs they refuse
+        return Dropped("template_error", f"{type(err).__name__}: {err}")
+    cut = [bool(m.cut if isinstance(m, Message) else m.get("cut")) for m in messages if _role(m) == "assistant"]
+    spans = _assistant_spans(tokenizer, msgs, full, chat_template, kw, special_re, cut, gen_suffix)
+    if isinstance(spans, str):
+        return Dropped("template_mismatch", spans)
+    generated = [(k, _generated_ids(m)) for k, m in enumerate(m for m in messages if _role(m) == "assistant")]
+    asst = [m for m in msgs if m.get("role") == "assistant"]
+    regions = [(e - len(asst[k]["content"]), e, g) for k, g in generated if g
+               for e in [spans[k][2]] if full[e - len(asst[k]["content"]):e] == asst[k]["content"]]
+    missing = sum(1 for _, g in generated if g) - len(regions)  # content not found as rendered (a trimming template)
+    return _LaidOut(full, spans, regions, missing)
 
 
 def render_conversation(
@@ -263,36 +326,15 @@ def render_conversation(
     """
     if overflow not in ("truncate", "drop"):
         raise ValueError(f"overflow must be 'truncate' or 'drop', got {overflow!r}")
-    if not getattr(tokenizer, "is_fast", False):
-        raise TypeError("render_conversation needs a fast tokenizer (character offsets)")
-    tokenizer.get_chat_template(chat_template)  # no template at all is a setup error, not a bad record
+    _check_renderable(tokenizer, chat_template)
     kw = dict(template_kwargs or {})
-    msgs = _as_dicts(messages)
-    if not any(m.get("role") == "assistant" for m in msgs):
-        return Dropped("no_assistant")
-    special_re = _special_regex(_special_strings(tokenizer))
-    if special_re:
-        for m in msgs:
-            for key in ("content", "reasoning_content", "thinking"):
-                hit = special_re.search(m.get(key) or "")
-                if hit:
-                    return Dropped("control_token_in_text", f"{m['role']} contains {hit.group(0)!r}")
-    try:
-        full = _render(tokenizer, msgs, False, chat_template, kw)
-    except Exception as err:  # noqa: BLE001 - templates raise on inputs they refuse
-        return Dropped("template_error", f"{type(err).__name__}: {err}")
-    cut = [bool(m.cut if isinstance(m, Message) else m.get("cut")) for m in messages if _role(m) == "assistant"]
-    spans = _assistant_spans(tokenizer, msgs, full, chat_template, kw, special_re, cut)
-    if isinstance(spans, str):
-        return Dropped("template_mismatch", spans)
-    generated = [(k, _generated_ids(m)) for k, m in enumerate(m for m in messages if _role(m) == "assistant")]
-    asst = [m for m in msgs if m.get("role") == "assistant"]
-    regions = [(e - len(asst[k]["content"]), e, g) for k, g in generated if g
-               for e in [spans[k][2]] if full[e - len(asst[k]["content"]):e] == asst[k]["content"]]
-    missing = sum(1 for _, g in generated if g) - len(regions)  # content not found as rendered (a trimming template)
+    laid_out = _lay_out(tokenizer, messages, chat_template, kw, _special_regex(_special_strings(tokenizer)))
+    if isinstance(laid_out, Dropped):
+        return laid_out
+    full, spans, regions, missing = laid_out.full, laid_out.spans, laid_out.regions, laid_out.missing
     # the whole text when ids are spliced in: the prefix shortcut's count would not hold after the splice
     ids, offsets, n = _tokenize(tokenizer, full, max_len if not regions else None)
-    mask = _mask_from_spans(offsets, spans, full)
+    mask = _mask_from_spans(offsets, spans, full).astype(int).tolist()
     if regions:
         ids, mask, left = _splice_generated(ids, offsets, mask, regions)
         missing, n = missing + left, len(ids)
@@ -307,6 +349,63 @@ def render_conversation(
                           retokenized_turns=missing)
 
 
+def assistant_token_counts(
+    tokenizer,
+    conversations: Sequence[Sequence[MessageLike]],
+    *,
+    max_len: int,
+    vocab_size: int,
+    chat_template: str | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+    one_by_one: bool = False,
+) -> np.ndarray:
+    """int64 [vocab_size] numpy array: how often each id occurs among the loss-masked tokens of `conversations`
+    rendered by `render_conversation(..., max_len=max_len, overflow="truncate")`; a conversation it drops counts
+    nothing. The draft vocabulary's dataset-wide count (data_prep/pipeline.py dataset_token_counts).
+
+    The same text, spans, tokens and mask as render_conversation, for the whole batch at once: the generation
+    prompt's text and the special-token pattern are found once, the texts are tokenized in one call, the mask and
+    the count are computed on arrays. A conversation with generated ids (Message.token_ids) goes through
+    render_conversation itself. `one_by_one`: render_conversation for every conversation and a torch bincount of
+    each sample (the per-conversation path this count replaced, kept as its reference).
+    """
+    import numpy as np
+
+    kw = dict(template_kwargs or {})
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    if one_by_one:
+        import torch
+
+        for messages in conversations:
+            sample = render_conversation(tokenizer, messages, max_len=max_len, chat_template=chat_template,
+                                         template_kwargs=kw)
+            if not isinstance(sample, Dropped):
+                ids = torch.tensor(sample.input_ids)[torch.tensor(sample.loss_mask, dtype=torch.bool)]
+                counts += torch.bincount(ids, minlength=vocab_size).numpy()
+        return counts
+    _check_renderable(tokenizer, chat_template)
+    special_re = _special_regex(_special_strings(tokenizer))
+    gen_suffix = _generation_suffix(tokenizer, chat_template, kw)
+    laid_out, spliced = [], []
+    for messages in conversations:
+        one = _lay_out(tokenizer, messages, chat_template, kw, special_re, gen_suffix)
+        if isinstance(one, Dropped):
+            continue
+        if one.regions:  # generated ids to splice in: the whole text is tokenized, by render_conversation
+            sample = render_conversation(tokenizer, messages, max_len=max_len, chat_template=chat_template,
+                                         template_kwargs=kw)
+            if not isinstance(sample, Dropped):
+                spliced.append(np.asarray(sample.input_ids)[np.asarray(sample.loss_mask, dtype=bool)])
+            continue
+        laid_out.append(one)
+    masked = [np.asarray(ids[:max_len], dtype=np.int64)[_mask_from_spans(offsets[:max_len], one.spans, one.full)]
+              for one, (ids, offsets, _) in zip(laid_out, _tokenize_many(tokenizer, [o.full for o in laid_out],
+                                                                          max_len))]
+    if masked or spliced:
+        counts += np.bincount(np.concatenate(masked + spliced), minlength=vocab_size)
+    return counts
+
+
 def _tokenize(tok, text: str, max_len: int | None) -> tuple[list[int], list[tuple[int, int]], int | None]:
     """(ids, offsets, total token count or None if only a long-enough prefix was tokenized).
 
@@ -314,17 +413,29 @@ def _tokenize(tok, text: str, max_len: int | None) -> tuple[list[int], list[tupl
     provably gives the same first `max_len` tokens: every token before the prefix's last
     pre-token (word) is unaffected by where the text was cut. `max_len` None: the whole text.
     """
+    return _tokenize_many(tok, [text], max_len)[0]
+
+
+def _tokenize_many(tok, texts: Sequence[str],
+                   max_len: int | None) -> list[tuple[list[int], list[tuple[int, int]], int | None]]:
+    """`_tokenize` of each text, in one call of the fast tokenizer per pass (the long texts' prefixes, then
+    the texts tokenized whole): a batch costs one crossing into the tokenizer's Rust, not one per text."""
     cut = 6 * (max_len or 0) + 256  # chars; typical text has 3-5 chars per token
-    if max_len is not None and len(text) > cut + cut // 2:
-        enc = tok(text[:cut], add_special_tokens=False, return_offsets_mapping=True)
-        words = enc.word_ids()
-        if words and words[-1] is not None:
-            first_of_last = words.index(words[-1])
-            if first_of_last > max_len:
-                return list(enc["input_ids"]), list(enc["offset_mapping"]), None
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = list(enc["input_ids"])
-    return ids, list(enc["offset_mapping"]), len(ids)
+    out: list[tuple[list[int], list[tuple[int, int]], int | None] | None] = [None] * len(texts)
+    long = [i for i, text in enumerate(texts) if max_len is not None and len(text) > cut + cut // 2]
+    if long:
+        enc = tok([texts[i][:cut] for i in long], add_special_tokens=False, return_offsets_mapping=True)
+        for k, i in enumerate(long):
+            words = enc.word_ids(k)
+            if words and words[-1] is not None and words.index(words[-1]) > max_len:
+                out[i] = (list(enc["input_ids"][k]), list(enc["offset_mapping"][k]), None)
+    whole = [i for i, o in enumerate(out) if o is None]
+    if whole:
+        enc = tok([texts[i] for i in whole], add_special_tokens=False, return_offsets_mapping=True)
+        for k, i in enumerate(whole):
+            ids = list(enc["input_ids"][k])
+            out[i] = (ids, list(enc["offset_mapping"][k]), len(ids))
+    return out
 
 
 def render_prompt(

@@ -141,9 +141,11 @@ class RankDevices:
     hf_target: str | None
     server: str | None
     note: str = ""
+    vllm: str = "none"  # started: a server of prep's own | user: vllm.urls | none: no vLLM
 
     def describe(self) -> str:
-        server = f"vLLM server on devices {self.server}" if self.server is not None else "no devices for a vLLM server"
+        server = {"started": f"vLLM server on devices {self.server}" if self.server is not None
+                  else "vLLM server on the CPU", "user": "the user's vLLM servers", "none": "no vLLM server"}[self.vllm]
         return (f"{server}; head {self.head}; transformers target {self.hf_target or 'not loaded'}"
                 + (f" ({self.note})" if self.note else ""))
 
@@ -173,14 +175,14 @@ def rank_devices(cfg: PrepConfig, plan: PrepPlan, *, local_rank: int, local_worl
                               f"transformers target too ({plan.why_hf}): set device= to a GPU they leave free, or "
                               "device=cpu")
         return RankDevices(cfg.device or "cpu", (cfg.device or "cpu") if hf else None, None,
-                           "" if cfg.device else "the user's servers hold the node's devices")
+                           "" if cfg.device else "the user's servers hold the node's devices", "user")
     group = cfg.vllm.tensor_parallel_size * cfg.vllm.pipeline_parallel_size
     server = device_group(local_rank, group, node_devices, visible)
     if cfg.device:
-        return RankDevices(cfg.device, cfg.device if hf else None, server, "device= given")
+        return RankDevices(cfg.device, cfg.device if hf else None, server, "device= given", "started")
     if server is None or not prep_devices:
         note = "prep's torch sees no GPU" if server is not None else ""
-        return RankDevices("cpu", "cpu" if hf else None, server, note)
+        return RankDevices("cpu", "cpu" if hf else None, server, note, "started")
     first = local_rank * group  # the index of the server's first device among those visible to prep's torch too
     share = float(cfg.vllm.engine_kwargs.get("gpu_memory_utilization", GPU_MEMORY_UTILIZATION))
     head, note = f"cuda:{first}", ""
@@ -188,16 +190,16 @@ def rank_devices(cfg: PrepConfig, plan: PrepPlan, *, local_rank: int, local_worl
         head, note = "cpu", (f"the head ({head_bytes / 2**30:.1f} GiB) does not fit beside the server's "
                              f"gpu_memory_utilization={share:g} of {device_bytes / 2**30:.0f} GiB: host memory")
     if not hf:
-        return RankDevices(head, None, server, note)
+        return RankDevices(head, None, server, note, "started")
     if plan.hf_target == "after_regen":  # the servers are stopped (every rank's: a barrier) before it loads
-        return RankDevices(head, f"cuda:{first}", server, note)
+        return RankDevices(head, f"cuda:{first}", server, note, "started")
     free = local_world * group + local_rank
     if free >= prep_devices:
         raise ConfigError(f"the transformers target ({plan.why_hf}) would share a GPU with a vLLM server: local rank "
                           f"{local_rank}'s would be device {free}, but the {local_world} servers of this node hold "
                           f"devices 0..{local_world * group - 1} of {prep_devices}. Regenerate on vLLM "
                           "(regen.backend=vllm), keep vllm.capture_fidelity=engine, or start fewer prep ranks per node")
-    return RankDevices(f"cuda:{free}", f"cuda:{free}", server, "the head beside the transformers target")
+    return RankDevices(f"cuda:{free}", f"cuda:{free}", server, "the head beside the transformers target", "started")
 
 
 def select_conversations(cfg: PrepConfig) -> tuple[dict[str, list[Conversation]], dict]:
@@ -216,25 +218,45 @@ def select_conversations(cfg: PrepConfig) -> tuple[dict[str, list[Conversation]]
     return {"train": train, "eval": held_out, "pool": pool}, skips.to_dict()
 
 
+COUNT_BATCH = 64  # conversations per batched count (data_prep/chat.py assistant_token_counts); `alive` before each
+
+
 def dataset_token_counts(cfg: PrepConfig, tokenizer, convs: list[Conversation], preset: TargetPreset,
                          vocab_size: int, rank: int = 0, world: int = 1, alive=None) -> torch.Tensor:
     """Assistant (loss-masked) token counts of `convs` as the dataset wrote them, with the target's template:
     the large, forward-free count behind the draft vocabulary (this rank's share of it: every world-th
-    conversation). Records the template refuses count nothing. `alive`: called every 64 conversations (it raises to
-    stop the count: prep's vLLM server died while the count ran beside its startup)."""
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    conversation). Records the template refuses count nothing. `alive`: called before every COUNT_BATCH conversations
+    counted (it raises to stop the count: prep's vLLM server died while the count ran beside its startup).
+
+    The count equals render_conversation's samples counted one by one, but runs COUNT_BATCH conversations at a
+    time (one tokenizer call each) and is cached: a share counted before, for the same conversations, tokenizer,
+    template and settings, is read back (data_prep/vocab.py cached_counts)."""
+    import numpy as np
+
+    from data_prep.chat import assistant_token_counts
+    from data_prep.vocab import cached_counts, count_cache_key
+
     if cfg.draft_vocab_count_max > 0:
         convs = convs[: cfg.draft_vocab_count_max]
-    for n, conv in enumerate(tqdm(convs[rank::world], desc="count tokens for the draft vocab", unit="conv",
-                                  mininterval=5, disable=rank != 0)):
-        if alive is not None and n % 64 == 0:
-            alive()
-        result = render_conversation(tokenizer, conv.messages, max_len=cfg.max_len, overflow="truncate",
-                                     template_kwargs=template_kwargs(cfg, preset))
-        if not isinstance(result, Dropped):
-            ids = torch.tensor(result.input_ids)
-            counts += torch.bincount(ids[torch.tensor(result.loss_mask, dtype=torch.bool)], minlength=vocab_size)
-    return counts
+    mine = [conv.messages for conv in convs[rank::world]]
+    kwargs = template_kwargs(cfg, preset)
+
+    def count() -> torch.Tensor:
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        with tqdm(total=len(mine), desc="count tokens for the draft vocab", unit="conv", mininterval=5,
+                  disable=rank != 0) as progress:
+            for n in range(0, len(mine), COUNT_BATCH):
+                if alive is not None:
+                    alive()
+                batch = mine[n : n + COUNT_BATCH]
+                counts += assistant_token_counts(tokenizer, batch, max_len=cfg.max_len, vocab_size=vocab_size,
+                                                 template_kwargs=kwargs)
+                progress.update(len(batch))
+        return torch.from_numpy(counts)
+
+    key = count_cache_key(tokenizer, mine, {"template_kwargs": kwargs, "max_len": cfg.max_len,
+                                            "vocab_size": vocab_size})
+    return cached_counts(key, vocab_size, count)
 
 
 def prompt_tokens(tokenizer, messages: list[Message], kwargs: dict) -> int:

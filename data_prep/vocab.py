@@ -7,19 +7,36 @@ A token outside the draft vocabulary can never be drafted, so the count that ran
 large as it is cheap: besides the loss-masked tokens of the (regenerated) training split, prep counts the
 assistant tokens of every conversation the dataset offers, rendered with the target's template (no model
 forward; held-out conversations excluded). The ranking score mixes the two frequencies (`selection_scores`).
+
+That dataset-wide count is batched (data_prep/chat.py `assistant_token_counts`) and cached (`cached_counts`):
+a count is stored under `<DRAFTERS_CACHE or ~/.cache/drafters>/token_counts/<key>.safetensors`, the key a sha256
+of all it depends on (`count_cache_key`: the conversations' content, the tokenizer, the chat template and its
+arguments, max_len, the vocabulary size, the rendering code and the library versions), so any prep of the same
+data with the same target reads it back in seconds. Deleting that directory only costs a recount.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from infra.files import save_safetensors
+from infra.strict_json import dumps
 
 VOCAB_FILE = "draft_vocab.safetensors"
+COUNT_CACHE = "token_counts"  # under data_prep.targets.cache_dir()
+
+if TYPE_CHECKING:
+    from data_prep.conversations import Message
 
 
 def count_tokens(samples: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_size: int) -> torch.Tensor:
@@ -95,3 +112,55 @@ def coverage(counts: torch.Tensor, t2d: torch.Tensor) -> float:
     """Fraction of the counted tokens the draft vocabulary can emit."""
     total = counts.sum().item()
     return float(counts[t2d].sum().item() / total) if total else 0.0
+
+
+def count_cache_key(tokenizer, conversations: Iterable[Sequence[Message]], settings: Mapping[str, Any]) -> str:
+    """The cache key of a count of `conversations`' tokens: a sha256 of their content (what templates read, and
+    the cut flags and generated ids render_conversation uses), the tokenizer's and the template's hashes,
+    `settings` (JSON: template arguments, max_len, vocabulary size), the source of data_prep/chat.py (any change to
+    the rendering or the mask is a new key) and the versions of the libraries that render and tokenize."""
+    from importlib.metadata import version
+
+    from data_prep import chat
+
+    content = hashlib.sha256()
+    for messages in conversations:  # ASCII JSON: unambiguous, and any text encodes
+        content.update(json.dumps([[m.role, m.content, m.reasoning, m.cut, m.token_ids] for m in messages]).encode())
+        content.update(b"\n")
+    payload = {"conversations": content.hexdigest(), "tokenizer": chat.tokenizer_hash(tokenizer),
+               "template": chat.template_hash(tokenizer), "settings": dict(settings),
+               "code": hashlib.sha256(Path(chat.__file__).read_bytes()).hexdigest(),
+               "versions": {lib: version(lib) for lib in ("transformers", "tokenizers", "jinja2")}}
+    return hashlib.sha256(dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def cached_counts(key: str, vocab_size: int, compute: Callable[[], torch.Tensor],
+                  cache: str | Path | None = None) -> torch.Tensor:
+    """The counts stored under `key` (`count_cache_key`) in `cache` (default: data_prep.targets.cache_dir() /
+    COUNT_CACHE), else `compute()`, stored there atomically (temporary file, then rename: concurrent ranks or preps
+    never read a torn file). An unreadable entry is recomputed; a cache that cannot be written only warns."""
+    from data_prep.targets import cache_dir
+
+    path = Path(cache) if cache is not None else cache_dir() / COUNT_CACHE
+    path = path / f"{key}.safetensors"
+    if path.exists():
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                if (f.metadata() or {}).get("key") == key:
+                    counts = f.get_tensor("counts")
+                    if counts.shape == (vocab_size,) and counts.dtype == torch.int64:
+                        return counts
+        except Exception as err:  # noqa: BLE001 - a torn or foreign file: count again, and replace it
+            print(f"warning: token count cache {path} unreadable ({type(err).__name__}: {err}); counting again",
+                  file=sys.stderr)
+    counts = compute()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_safetensors({"counts": counts.contiguous()}, tmp, metadata={"key": key})
+        os.replace(tmp, path)
+    except OSError as err:
+        print(f"warning: token count not cached ({path}: {err})", file=sys.stderr)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return counts

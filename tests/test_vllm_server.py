@@ -528,6 +528,7 @@ def test_each_ranks_head_target_and_server_devices(ranks: int, tp: int) -> None:
         assert (got.head, got.hf_target, got.server) == (f"cuda:{r * tp}", None, blocks[r])
         cpu_prep = rank_devices(cfg, plan, local_rank=r, local_world=ranks, prep_devices=0, node_devices=8)
         assert (cpu_prep.head, cpu_prep.server) == ("cpu", blocks[r])
+        assert got.describe() == f"vLLM server on devices {blocks[r]}; head cuda:{r * tp}; transformers target not loaded"
     cfg, plan = _plan_cfg(tp=tp, capture="hf")  # vLLM regenerates, then the transformers target captures
     assert plan.hf_target == "after_regen"
     for r in range(ranks):
