@@ -593,7 +593,9 @@ def _remove(paths: Sequence[str], grace_s: float = 0.0) -> None:
 
 
 def _watch(parent_gone: threading.Event) -> None:
-    while sys.stdin.buffer.read(1 << 16):
+    # os.read on the descriptor, not sys.stdin's buffered reader: a daemon thread blocked inside that reader holds its
+    # lock, and an interpreter that exits meanwhile aborts ("could not acquire lock for <stdin> at shutdown")
+    while os.read(0, 1 << 16):
         pass
     parent_gone.set()
 
@@ -663,7 +665,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if args.sentinel is not None:
         return sentinel(args.sentinel, args.grace_s, args.scratch)
-    return guard(command, args.grace_s, args.scratch)
+    code = guard(command, args.grace_s, args.scratch)
+    sys.stdout.flush()
+    os._exit(code)  # at once: its stdin watcher is still blocked reading, and nothing is left to clean up
 
 
 if __name__ == "__main__":
