@@ -18,7 +18,6 @@ data with the same target reads it back in seconds. Deleting that directory only
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -125,7 +124,7 @@ def count_cache_key(tokenizer, conversations: Iterable[Sequence[Message]], setti
 
     content = hashlib.sha256()
     for messages in conversations:  # ASCII JSON: unambiguous, and any text encodes
-        content.update(json.dumps([[m.role, m.content, m.reasoning, m.cut, m.token_ids] for m in messages]).encode())
+        content.update(dumps([[m.role, m.content, m.reasoning, m.cut, m.token_ids] for m in messages]).encode())
         content.update(b"\n")
     payload = {"conversations": content.hexdigest(), "tokenizer": chat.tokenizer_hash(tokenizer),
                "template": chat.template_hash(tokenizer), "settings": dict(settings),
