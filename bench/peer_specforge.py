@@ -23,8 +23,9 @@ init), `OnlineEagle3Model` (TTT K), `Eagle3TrainStrategy` (offline `target_repr=
 the package's pure-torch reference of the Triton kernel that cannot run on a CPU), and its `BF16Optimizer`
 (AdamW over fp32 masters, clip) or torch AdamW (`--optimizer adamw`). Only the lr schedule and Adam's
 betas/eps are replaced by ours (SpecForge's own: cosine with warmup_ratio, betas (0.9, 0.999)). Params are in
-our run's precision by default (`--dtype auto`: fp32 on a CPU, as our trainer; `--dtype bf16` is SpecForge's
-GPU recipe, about 14x slower per step on this CPU, which has no bf16 matmul unit).
+our run's precision by default (`--dtype auto`, as our trainer's deepspeed.precision: bf16 on a GPU or a CPU with
+bf16 matrix units, else fp32; `--dtype bf16` is SpecForge's GPU recipe, about 14x slower per step on a CPU without
+a bf16 matmul unit).
 
 Mapping our prep onto SpecForge's offline sample (what its `normalize_offline_sample` would hold):
   hidden_state = the shards' taps (the drafter's 3 tap layers, bf16), target = the target's FINAL-NORMED
@@ -398,9 +399,9 @@ def check_export(draft: Any, export_dir: Path, head: Any, sample: Any, columns: 
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    from infra.precision import resolve_precision
     from train.build import load_head
     from train.data import ShardBatches
-    from train.engine import resolve_precision
     from train.trainer import total_steps
 
     torch.set_num_threads(args.threads)
@@ -426,8 +427,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     total = total_steps(cfg, train_data.batches_per_epoch)
     stop = min(total, args.steps or total)
     head = load_head(prep).float()
-    # On a CPU our trainer runs fp32 (train.engine.resolve_precision), and bf16 matmuls without a native bf16
-    # unit are an order of magnitude slower (this machine: 14x per SpecForge step), so "auto" follows our run.
+    # "auto" follows our run (infra.precision: bf16 where the device has native bf16, fp32 elsewhere): bf16
+    # matmuls without a native bf16 unit are an order of magnitude slower (14x per SpecForge step measured).
     precision = resolve_precision(cfg.deepspeed.precision) if args.dtype == "auto" else args.dtype
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
     model, draft, strategy, ecfg = build_peer(sf, cfg, prep, taps, head, dtype, args.compact_teacher)
@@ -725,7 +726,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 "batch_size=m, accumulation_steps=B/m")
             s.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                            help="SpecForge's params: auto = our run's precision (deepspeed.precision: bf16 on "
-                                "a bf16 GPU, fp32 on a CPU); bf16 = SpecForge's GPU recipe (fp32 masters)")
+                                "a bf16 GPU or CPU, else fp32); bf16 = SpecForge's GPU recipe (fp32 masters)")
             s.add_argument("--optimizer", choices=["bf16opt", "adamw"], default="bf16opt")
             s.add_argument("--compile", choices=["on", "off"], default="on",
                            help="the package's own @torch.compile decorators (Inductor, needs a C++ compiler)")

@@ -146,11 +146,11 @@ def weight_bytes(prep: Path) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from data_prep.rendered import RenderedSet
-    from data_prep.targets import model_path, resolve_target
+    from data_prep.targets import model_path, resolve_target, target_dtype
 
     source = RenderedSet(prep, "train").target_source
     preset = resolve_target(source.model)
-    dtype = getattr(torch, source.dtype or preset.dtype)
+    dtype = getattr(torch, target_dtype(preset, source.dtype, "cpu"))
     config = AutoConfig.from_pretrained(model_path(preset))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

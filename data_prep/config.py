@@ -8,6 +8,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from infra.config_keys import ConfigError, check_keys
+from infra.precision import DTYPES
 
 # Prep keys renamed so that prep, training and evaluation name each concept once (data.max_len in training):
 # old -> new. An old key is refused, naming the new one (`refuse_renamed`, `check_keys`).
@@ -154,7 +155,7 @@ class PrepConfig:
     draft_vocab_count: str = "dataset"
     draft_vocab_train_weight: float = 0.5  # the training split's share of the mixed frequency
     draft_vocab_count_max: int = 0  # dataset conversations counted; <= 0: all
-    dtype: str | None = None  # target dtype; None: the preset's
+    dtype: str | None = None  # target dtype (auto|float32|bfloat16|float16); None: the preset's
     # The chat template (a file, or the Jinja text itself) replacing the tokenizer's own; base models ship none.
     chat_template: str | None = None
     device: str | None = None  # None: cuda if available, else cpu
@@ -168,6 +169,8 @@ class PrepConfig:
             self.capture.engine == "vllm" and self.stage == "all")
 
     def validate(self) -> None:
+        if self.dtype is not None and self.dtype not in ("auto", *DTYPES):
+            raise ConfigError(f"dtype must be auto|{'|'.join(DTYPES)}, got {self.dtype!r}")
         if self.overflow not in ("truncate", "drop"):
             raise ConfigError(f"overflow must be truncate|drop, got {self.overflow!r}")
         if self.regen.backend not in ("hf", "openai", "vllm"):

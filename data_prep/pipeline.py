@@ -90,6 +90,7 @@ from data_prep.targets import (
     load_tokenizer,
     model_path,
     resolve_target,
+    target_dtype,
     tensor_parallel_group,
 )
 from data_prep.vocab import (
@@ -481,8 +482,11 @@ def write_draft_vocab(cfg: PrepConfig, out: Path, vocab_size: int, dataset_count
 
 
 def with_preset_defaults(cfg: PrepConfig, preset: TargetPreset) -> PrepConfig:
-    """`cfg` with what it leaves to the target preset filled in (the draft vocabulary size)."""
-    return cfg if cfg.draft_vocab_size is not None else replace(cfg, draft_vocab_size=preset.draft_vocab_size)
+    """`cfg` with what it leaves to the target preset filled in: the draft vocabulary size, and the dtype the
+    target computes in (the preset's unless `dtype` is set; "auto" resolved for prep's `device`, by default this
+    machine's compute device, where prep's engines and transformers target run: infra/precision.py)."""
+    return replace(cfg, dtype=target_dtype(preset, cfg.dtype, cfg.device),
+                   draft_vocab_size=preset.draft_vocab_size if cfg.draft_vocab_size is None else cfg.draft_vocab_size)
 
 
 def rebuild_draft_vocab(cfg: PrepConfig) -> dict:
@@ -567,6 +571,8 @@ def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, head: TargetHead, target
         "tap_layers": spec.tap_layers,
         "teacher": spec.teacher,
         "taps_dtype": spec.taps_dtype,
+        # what the target computed in: the fidelity probe, capture, and regeneration on prep's own engine
+        "dtype": cfg.dtype,
         "stage": cfg.stage,  # render: no shards (train with data.source=online|hybrid)
         "shards": cfg.stage == "all",
         "samples": samples,
@@ -656,7 +662,7 @@ def rank_servers(cfg: PrepConfig, plan: PrepPlan, preset: TargetPreset, tap_laye
     from data_prep.vllm_capture import engine_layer_ids
     from data_prep.vllm_client import ServerSpec, VLLMClient
 
-    spec = ServerSpec(model=model_path(preset), dtype=cfg.dtype or preset.dtype, max_model_len=cfg.max_len + 1,
+    spec = ServerSpec(model=model_path(preset), dtype=cfg.dtype, max_model_len=cfg.max_len + 1,
                       hidden_size=preset.hidden_size,
                       layer_ids=engine_layer_ids(tap_layers, preset.num_layers) if plan.vllm_extracts else [],
                       tensor_parallel_size=cfg.vllm.tensor_parallel_size,
@@ -672,9 +678,9 @@ def _local() -> tuple[int, int]:
     return int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
-def head_bytes(preset: TargetPreset, dtype: str | None) -> int:
+def head_bytes(preset: TargetPreset, dtype: str) -> int:
     """The target head's tensors (input embedding and LM head; the norm is negligible) in prep's dtype."""
-    size = 4 if (dtype or preset.dtype) == "float32" else 2
+    size = 4 if dtype == "float32" else 2
     return 2 * preset.vocab_size * preset.hidden_size * size
 
 
@@ -742,7 +748,7 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
             head = head.to(devices.head)
         spec = shard_spec(cfg, preset, tap_layers, head, target_config, tokenizer)
         write_spec(out, spec, TargetSource(model=str(Path(preset.local_path).resolve()) if preset.local_path
-                                           else cfg.model, dtype=cfg.dtype or preset.dtype,
+                                           else cfg.model, dtype=cfg.dtype,
                                            chat_template=cfg.chat_template))
 
         def alive() -> None:  # beside the servers' start-up: they are checked, and a stop signal stops the count
@@ -868,7 +874,11 @@ def regen_counts(cfg: PrepConfig, total: Counter, regen: list[dict]) -> dict:
     regen.max_new_tokens (kept with their end of turn unmasked, or their conversations dropped: regen.on_length)
     and the assistant turns after the first regen.max_turns, which are not trained on."""
     splits = [s for part in regen for s in part.values()]
+    seconds = max((sum(s.get("elapsed_s", 0.0) for s in part.values()) for part in regen), default=0.0)
+    tokens = sum(s.get("generated_tokens", 0) for s in splits)
     return {
+        # generated tokens over the slowest rank's regeneration time (this run's: resumed replies not counted)
+        "regen_tokens_per_s": tokens / seconds if seconds else None,
         "regen_cut_replies": {"on_length": cfg.regen.on_length, "max_new_tokens": cfg.regen.max_new_tokens,
                               "kept_end_of_turn_unmasked": total[CUT_UNMASKED],
                               "conversations_dropped": total[CUT_DROPPED]},
@@ -896,6 +906,8 @@ def print_summary(summary: dict, out: Path) -> None:
     if later["turns"]:
         print(f"  regen    {later['turns']} later assistant turns of {later['conversations']} conversations not "
               f"trained on (regen.max_turns={later['max_turns']})")
+    regen_rate = summary["regen_tokens_per_s"]
+    print(f"  target   {summary['dtype']}" + ("" if regen_rate is None else f"; regeneration {regen_rate:.0f} tokens/s"))
     print(f"  written  {summary['bytes_written'] / 2**20:.1f} MiB, {summary['bytes_per_token']} B/token; "
           f"capture {summary['capture_tokens_per_s']:.0f} tokens/s")
     for name, b in summary["bytes_per_token_options"].items():

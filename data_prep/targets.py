@@ -23,6 +23,7 @@ import torch
 import yaml
 
 from infra.files import save_safetensors
+from infra.precision import resolve_dtype
 from models import eagle3
 
 PRESET_DIR = Path(__file__).resolve().parents[1] / "conf" / "targets"
@@ -44,7 +45,7 @@ class TargetPreset:
     chat_format: str = "auto"
     embedded: str | None = None  # "<python package>:<gguf file>"
     revision: str = "main"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # auto: bf16 where the device computes it natively, fp32 elsewhere (infra/precision.py)
     enable_thinking: bool | None = None
     device_map: str | None = None
     attn_implementation: str | None = None
@@ -99,7 +100,8 @@ def _preset_from_config(name: str, config: dict, local_path: str | None) -> Targ
         hidden_size=int(text["hidden_size"]),
         vocab_size=int(text["vocab_size"]),
         tap_layers=default_tap_layers(layers),
-        dtype=str(config.get("dtype") or config.get("torch_dtype") or "bfloat16"),
+        # not the checkpoint's storage dtype: the compute dtype follows the device, as a preset's does
+        dtype="auto",
         local_path=local_path,
     )
 
@@ -310,6 +312,12 @@ def check_world(size: int, world: int, where: str) -> None:
                          f"run with a multiple of {size} processes")
 
 
+def target_dtype(preset: TargetPreset, dtype: str | None = None, device: str | None = None) -> str:
+    """The dtype name the target computes in: `dtype` (a stage's own setting) else the preset's, "auto" resolved
+    for `device` (default: this process's compute device) by infra.precision."""
+    return resolve_dtype(dtype or preset.dtype, device)
+
+
 def load_target(preset: TargetPreset, dtype: str | None = None, device: str | None = None,
                 chat_template: str | None = None, tensor_parallel: int = 1):
     """Return (model, tokenizer), the tokenizer first (a missing chat template stops before the weights load).
@@ -338,7 +346,7 @@ def load_target_head(preset: TargetPreset, dtype: str | None = None):
     with _named_load_errors(preset):
         config = AutoConfig.from_pretrained(model_path(preset), revision=_revision(preset))
     check_preset(preset, config.to_dict(), f"{model_path(preset)}/config.json")  # as load_target_config does
-    torch_dtype = getattr(torch, dtype or preset.dtype)
+    torch_dtype = getattr(torch, target_dtype(preset, dtype))
     with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (Gemma's embed_scale) real
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     spec = HeadSpec.from_hf_model(skeleton)
@@ -397,8 +405,8 @@ def _safetensors_keys(path: str) -> list[str]:
         return list(f.keys())
 
 
-def _model_kwargs(preset: TargetPreset, dtype: str | None) -> dict:
-    kwargs: dict = {"dtype": getattr(torch, dtype or preset.dtype), "revision": _revision(preset)}
+def _model_kwargs(preset: TargetPreset, dtype: str | None, device: str | None = None) -> dict:
+    kwargs: dict = {"dtype": getattr(torch, target_dtype(preset, dtype, device)), "revision": _revision(preset)}
     if preset.attn_implementation:
         kwargs["attn_implementation"] = preset.attn_implementation
     return kwargs
@@ -407,7 +415,7 @@ def _model_kwargs(preset: TargetPreset, dtype: str | None) -> dict:
 def _load_model(preset: TargetPreset, dtype: str | None, device: str | None):
     from transformers import AutoModelForCausalLM
 
-    kwargs = _model_kwargs(preset, dtype)
+    kwargs = _model_kwargs(preset, dtype, device)
     if preset.device_map and torch.cuda.is_available() and device is None:
         kwargs["device_map"] = preset.device_map
     model = AutoModelForCausalLM.from_pretrained(model_path(preset), **kwargs)

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
+from infra.precision import DTYPES
+
 WARMUP_TOKENS = 8  # `warmup`: the tokens of the untimed request each method (and each engine server) answers first
 
 
@@ -66,7 +68,7 @@ class EvalConfig:
     target: str = "smollm2-135m-instruct"  # preset | hub id | local HF dir (data_prep.targets.resolve_target)
     prompts: str = "mtbench"  # a suite | suite,suite,... | all | a JSONL file (eval/prompts.py)
     out_dir: str = MISSING
-    dtype: str | None = None  # target/drafter dtype; None: the preset's
+    dtype: str | None = None  # target/drafter dtype (auto|float32|bfloat16|float16); None: the preset's
     # The chat template (a file, or the Jinja text itself) replacing the tokenizer's own; base models ship none.
     chat_template: str | None = None
     device: str | None = None  # None: cuda if available, else cpu
@@ -81,6 +83,8 @@ class EvalConfig:
     vllm: EngineVLLMConfig = field(default_factory=EngineVLLMConfig)
 
     def validate(self) -> None:
+        if self.dtype is not None and self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be auto|{'|'.join(DTYPES)}, got {self.dtype!r}")
         d = self.decode
         if d.mode not in ("tree", "chain"):
             raise ValueError(f"decode.mode must be tree|chain, got {d.mode!r}")

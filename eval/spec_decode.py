@@ -52,10 +52,34 @@ class GenerationRecord:
     depth_accepts: list[int] = field(default_factory=list)  # [n]: ... and accepted the draft at depth n
     # Wall seconds per phase of the speculative cycles (PHASES; the prefill is "prefill"); empty for plain.
     phase_s: dict[str, float] = field(default_factory=dict)
+    # Plain decoding: per emitted token, the target's top-2 logit gap relative to max(1, |top-1 logit|).
+    top2_gaps: list[float] = field(default_factory=list)
 
     @property
     def verify_forwards(self) -> int:
         return len(self.accept_lengths)
+
+
+# In bf16 (or fp16) a verify forward over m tokens rounds otherwise than m one-token forwards (the CPU's and GPU's
+# attention kernels block their sums by the number of queries and keys), so greedy outputs may part where the
+# target's top two logits are this close, relative to max(1, |top-1 logit|); in fp32 they part nowhere. The GPU
+# check holds bf16 decoding to the same bound (bench/gpu_check.py).
+NEAR_TIE_RTOL = 2e-2
+
+
+def relative_top2_gap(logits: Tensor) -> float:
+    top = logits.float().topk(2).values
+    return float(top[0] - top[1]) / max(1.0, abs(float(top[0])))
+
+
+def first_difference(output_ids: list[int], plain: GenerationRecord) -> tuple[int, float | None] | None:
+    """Where `output_ids` first parts from plain decoding's output, with the plain run's relative top-2 gap there
+    (None where plain decoding emitted nothing there); None when the two are identical."""
+    if output_ids == plain.output_ids:
+        return None
+    i = next((j for j, (a, b) in enumerate(zip(output_ids, plain.output_ids)) if a != b),
+             min(len(output_ids), len(plain.output_ids)))
+    return i, plain.top2_gaps[i] if i < len(plain.top2_gaps) else None
 
 
 # Where a speculative cycle's time goes (bench/decode_profile.py): drafting, the tree mask, the verify
@@ -101,15 +125,17 @@ def plain_generate(
     eos = frozenset(eos_token_ids)
     cache = target.new_cache()
     out: list[int] = []
+    gaps: list[float] = []
     logits = target.forward(prompt_ids, cache, want_taps=False, last_logits_only=True).logits[-1]
     forwards = 1
     while True:
+        gaps.append(relative_top2_gap(logits))
         stop = _finish(out, [sampling.next_token(logits, params, generator)], max_new_tokens, eos)
         if stop:
             break
         logits = target.forward([out[-1]], cache, want_taps=False, last_logits_only=True).logits[-1]
         forwards += 1
-    return GenerationRecord(len(prompt_ids), out, stop, time.perf_counter() - t0, forwards)
+    return GenerationRecord(len(prompt_ids), out, stop, time.perf_counter() - t0, forwards, top2_gaps=gaps)
 
 
 def accept_path(

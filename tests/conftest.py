@@ -12,6 +12,9 @@ import torch
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The dtype "auto" picks on a CPU follows its bf16 units (infra/precision.py); the tests pin fp32 so that their
+# numbers do not depend on the machine that runs them (tests/test_precision.py mocks both kinds of CPU).
+os.environ["DRAFTERS_CPU_BF16"] = "0"
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 # Test tiers (tests/README.md). A test is `integration` when it spawns processes (torchrun, a launcher, a CLI),

@@ -151,3 +151,23 @@ def test_greedy_identical_sliding_window_target(sliding_pair, settings: SpecSett
         spec = dec.generate(prompt, 25, GREEDY)
         assert spec.output_ids == plain.output_ids
         check_state(dec, prompt, spec)
+
+
+def test_plain_decoding_records_the_top2_gap_where_outputs_part(random_pair) -> None:
+    """plain_generate keeps, per emitted token, the target's relative top-2 gap (what a bf16 difference is judged
+    by: eval/spec_decode.py NEAR_TIE_RTOL); first_difference gives where another output parts and that gap."""
+    from eval.spec_decode import first_difference, relative_top2_gap
+
+    runner, _ = random_pair
+    prompt = PROMPTS[1]
+    plain = plain_generate(runner, prompt, 6, GREEDY)
+    assert len(plain.top2_gaps) == len(plain.output_ids) == 6
+    logits = runner.forward(prompt + plain.output_ids[:3], runner.new_cache(), want_taps=False).logits[-1]
+    top = logits.double().topk(2).values
+    assert plain.top2_gaps[3] == pytest.approx(float(top[0] - top[1]) / max(1.0, abs(float(top[0]))), rel=1e-6)
+    assert relative_top2_gap(torch.tensor([3.0, 5.0, -1.0])) == pytest.approx(2.0 / 5.0)
+    assert relative_top2_gap(torch.tensor([0.5, 0.25])) == pytest.approx(0.25)  # scale max(1, |top-1|)
+    assert first_difference(list(plain.output_ids), plain) is None
+    other = [*plain.output_ids[:4], plain.output_ids[4] + 1, 0]
+    assert first_difference(other, plain) == (4, plain.top2_gaps[4])
+    assert first_difference(plain.output_ids[:2], plain) == (2, plain.top2_gaps[2])  # a prefix parts where it ends

@@ -49,7 +49,7 @@ def test_openai_backend_on_real_vllm_matches_hf_greedy(tmp_path: Path, monkeypat
     from data_prep.config import PrepConfig
     from data_prep.conversations import load_conversations
     from data_prep.pipeline import plan_regeneration, regenerate_split
-    from data_prep.targets import load_target, model_path, resolve_target
+    from data_prep.targets import load_target, model_path, resolve_target, target_dtype
     from infra.vllm_server import vllm_server
 
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")  # the server is local whatever proxy is set
@@ -66,7 +66,7 @@ def test_openai_backend_on_real_vllm_matches_hf_greedy(tmp_path: Path, monkeypat
     hf_convs, hf_sum = regenerate_split(cfg, preset, model, tok, convs, tmp_path / "hf.jsonl")
     cfg.regen.backend = "openai"
     log = tmp_path / "vllm.log"
-    with vllm_server(VLLM_PYTHON, model_path(preset), dtype=preset.dtype, log_path=log,
+    with vllm_server(VLLM_PYTHON, model_path(preset), dtype=target_dtype(preset), log_path=log,
                      extra_args=["--served-model-name", preset.hf_id]) as base:
         cfg.regen.base_url = base + "/v1"
         oa_convs, oa_sum = regenerate_split(cfg, preset, None, tok, convs, tmp_path / "openai.jsonl")

@@ -197,7 +197,7 @@ class TrainConfig:
 @dataclass
 class DeepSpeedConfig:
     zero_stage: int = 3  # 0 | 1 | 2 | 3
-    precision: str = "auto"  # auto = bf16 on GPUs that support it, fp32 on CPU
+    precision: str = "auto"  # auto: bf16 where the device computes it natively (infra/precision.py), else fp32
     dist_backend: str = "auto"  # auto = nccl on CUDA, gloo on CPU
     # DeepSpeed JIT-builds a shared-memory all-reduce op on CPU the first time (~50 s); gloo does
     # the job, so it is skipped unless asked for.

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from infra.precision import resolve_precision
 from infra.processes import free_port
 from train.config import DeepSpeedConfig, TrainConfig
 
@@ -109,13 +110,6 @@ def device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def resolve_precision(precision: str) -> str:
-    """ "auto" -> bf16 on a CUDA device that supports it, fp32 elsewhere (see offline-assets / report)."""
-    if precision != "auto":
-        return precision
-    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float, kind: str = "cosine",
@@ -224,9 +218,9 @@ def full_shape(param: Tensor) -> torch.Size:
 class Engine:
     def __init__(self, ds_cfg: DeepSpeedConfig, train_cfg: TrainConfig, total_steps: int):
         self.ds_cfg, self.train_cfg, self.total_steps = ds_cfg, train_cfg, total_steps
-        self.precision = resolve_precision(ds_cfg.precision)
-        self.dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         self.device = device()
+        self.precision = resolve_precision(ds_cfg.precision, self.device)
+        self.dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.ds = None
 

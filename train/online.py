@@ -126,6 +126,7 @@ def load_frozen_target(rendered: RenderedSet, cfg: DataConfig, device: torch.dev
         load_target_config,
         load_tokenizer,
         resolve_target,
+        target_dtype,
         tensor_parallel_group,
     )
     from models.target_head import TargetHead
@@ -144,14 +145,14 @@ def load_frozen_target(rendered: RenderedSet, cfg: DataConfig, device: torch.dev
         world = dist.get_world_size() if dist.is_initialized() else 1
         tp_size = cfg.target_tp_size or world
         check_tensor_parallel(config, tp_size, world, f"{where}, data.target_tp_size")
+    dtype = target_dtype(preset, source.dtype, str(device))  # prep's (resolved for this device if it was auto)
     if partition is not None:  # ZeRO-3: partitioned as it loads (on the ranks' devices), never a whole copy per rank
         from train.engine import full_shape, gathered, partitioned_at_load
 
-        dtype = getattr(torch, source.dtype or preset.dtype)
-        with partitioned_at_load(dtype, ds_cfg or DeepSpeedConfig()):
-            model, _ = load_target(preset, source.dtype, "cpu", chat_template=source.chat_template)
+        with partitioned_at_load(getattr(torch, dtype), ds_cfg or DeepSpeedConfig()):
+            model, _ = load_target(preset, dtype, "cpu", chat_template=source.chat_template)
     else:  # a whole copy goes straight to this rank's device; a tensor-parallel one to each rank's slice of it
-        model, _ = load_target(preset, source.dtype, str(device), chat_template=source.chat_template,
+        model, _ = load_target(preset, dtype, str(device), chat_template=source.chat_template,
                                tensor_parallel=tp_size)
     weight = model.get_output_embeddings().weight
     rows = (full_shape(weight) if partition is not None else weight.shape)[0]

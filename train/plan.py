@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from infra.precision import resolve_precision
+
 GiB = 1 << 30
 MiB = 1 << 20
 # Peak RSS of a CPU training process before it builds anything: Python, torch, DeepSpeed and transformers
@@ -157,6 +159,7 @@ def describe_target(ref: str) -> TargetInfo:
 
     largest = max(sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model))
     return TargetInfo(name=preset.name, config=config, source=source, params=params, largest_layer_params=largest,
+                      # auto: bf16 (2 bytes), the dtype of a GPU and of a CPU with bf16 units
                       dtype_bytes=DTYPE_BYTES.get(str(preset.dtype), 2), tap_layers=list(preset.tap_layers),
                       draft_vocab_size=int(preset.draft_vocab_size), attn_implementation=preset.attn_implementation)
 
@@ -282,7 +285,8 @@ def settings_from_run(cfg, world_size: int = 1, context: int | None = None, devi
     dp = world_size // ds.sequence_parallel_size
     if d.batch_size % dp:
         raise PlanError(f"data.batch_size={d.batch_size} must be a multiple of the data-parallel size {dp}")
-    precision = ds.precision if ds.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
+    # On a CUDA device the plan assumes bf16 support; on a CPU it asks this machine's (infra.precision).
+    precision = "bf16" if ds.precision == "auto" and device == "cuda" else resolve_precision(ds.precision, device)
     placement = "none" if d.source == "offline" else d.target_placement
     if placement not in PLACEMENTS:
         raise PlanError(f"data.target_placement={placement!r} is not one of {list(PLACEMENTS[1:])}")
