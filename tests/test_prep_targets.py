@@ -56,7 +56,8 @@ def test_local_directory_reads_its_config(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(
         {"num_hidden_layers": 12, "hidden_size": 64, "vocab_size": 1000, "dtype": "float32"}))
     p = resolve_target(str(tmp_path))
-    assert (p.num_layers, p.hidden_size, p.vocab_size, p.tap_layers, p.dtype) == (12, 64, 1000, [1, 5, 8], "float32")
+    # the checkpoint's storage dtype is not the compute dtype: auto, resolved per device (infra/precision.py)
+    assert (p.num_layers, p.hidden_size, p.vocab_size, p.tap_layers, p.dtype) == (12, 64, 1000, [1, 5, 8], "auto")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="config.json"):
         resolve_target(str(tmp_path / "empty"))
