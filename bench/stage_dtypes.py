@@ -42,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from infra.strict_json import dumps
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 DTYPES = {"fp32": "0", "bf16": "1"}  # DRAFTERS_CPU_BF16
@@ -155,7 +157,7 @@ def cmd_stages(args: argparse.Namespace) -> dict:
         row["tokens_per_s"] = rates
         row["share_of_peak"] = {k: rates[k] * flops[k] / (row["peak_gflops"] * 1e9) for k in flops}
         rows[dtype] = row
-        print(json.dumps({dtype: row}, indent=1), flush=True)
+        print(dumps({dtype: row}, indent=1), flush=True)
     result = {
         "what": "each stage's tokens/s in fp32 and bf16 (DRAFTERS_CPU_BF16=0/1, every setting auto), the demo's "
                 "settings, one run, the machine alone",
@@ -169,9 +171,9 @@ def cmd_stages(args: argparse.Namespace) -> dict:
                             "GFLOP/s of a 2048^3 matmul on 2 threads in the same dtype",
     }
     out = Path(args.out)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    out.write_text(dumps(result, indent=1) + "\n")
     plot(result, out.with_suffix(".png"))
-    print(json.dumps({k: result[k] for k in ("bf16_over_fp32", "peak_bf16_over_fp32")}, indent=1))
+    print(dumps({k: result[k] for k in ("bf16_over_fp32", "peak_bf16_over_fp32")}, indent=1))
     return result
 
 
@@ -263,8 +265,8 @@ def cmd_demo(args: argparse.Namespace) -> dict:
                               "each stage writes last; held-out sim tau from training's own eval")
     merged["cpu"] = _cpu_name()
     merged.setdefault("rows", {})[args.dtype] = row
-    path.write_text(json.dumps(merged, indent=1) + "\n")
-    print(json.dumps({args.dtype: row}, indent=1))
+    path.write_text(dumps(merged, indent=1) + "\n")
+    print(dumps({args.dtype: row}, indent=1))
     if not args.keep:
         shutil.rmtree(clone, ignore_errors=True)
     return row
