@@ -4,6 +4,9 @@ share of the machine's measured matmul peak in that dtype; and `make demo` cold 
 
     python bench/stage_dtypes.py stages [--samples 100] [--train-steps 40] [--prompts 1]
     python bench/stage_dtypes.py demo --dtype bf16     # then --dtype fp32; each merges into demo_dtypes.json
+    python bench/stage_dtypes.py demo --dtype bf16 --label bf16_200 --make NUM_SAMPLES=200 ...   # other data
+    python bench/stage_dtypes.py decode-bandwidth      # plain decoding against the machine's memory bandwidth
+    python bench/stage_dtypes.py budget --work DIR --variants 173:6,260:4,403:3   # where the demo's time pays
 
 Both pick the dtype the way a user does: every stage's setting stays `auto` and DRAFTERS_CPU_BF16=1 / 0 says
 whether this CPU's bf16 units are used (infra/precision.py), so what runs is exactly what `make demo` runs.
@@ -25,8 +28,21 @@ token (the teacher's logits). Writes bench/results/stage_dtypes.{json,png}.
 `demo`: clones HEAD into a temporary directory, with an empty DRAFTERS_CACHE (the target converted from its GGUF,
 the vocabulary counted anew, as on a fresh machine; pip's own download cache is left as it is), runs `make demo`
 and records its wall time, each stage's end (from the files it writes), the dtypes each stage ran in, and the
-demo's numbers (held-out simulated tau, MT-bench tau, outputs identical to plain decoding). Merges its row into
-bench/results/demo_dtypes.json.
+demo's numbers (held-out simulated tau, MT-bench tau, outputs identical to plain decoding). Merges its row (named
+--label, the dtype by default; --make VAR=value sets the demo's make variables) into bench/results/demo_dtypes.json
+and draws demo_dtypes.png.
+
+`decode-bandwidth`: batch-1 decoding reads every weight once per token, so its bound is the memory's read
+bandwidth, not the matmul peak. For each dtype: the read bandwidth (a sum over a 256 MiB tensor on 2 threads, median
+of 10) and the embedded target's one-token forward at a 256-token context (median of 30, sdpa, a KV cache), whose
+weight bytes over its time give the bandwidth it reaches. Merges "decode_bandwidth" into stage_dtypes.json.
+
+`budget`: what the demo's minutes buy, in this machine's default dtype: one `make prep` with the demo's settings on
+--samples conversations, then `make train EXP=eagle3_demo` (2 ranks, held-out eval at the end) on nested subsets of
+n of its training conversations (data.train_samples=n: by sha256 of the sample ids) for e epochs, each variant
+n:e; held-out simulated tau (38 conversations, 7 TTT steps), steps and training wall seconds per variant, and the
+prep's regeneration and capture tokens/s. Resumable: a finished prep or run in --work is read
+back. Writes bench/results/demo_budget.json.
 """
 
 from __future__ import annotations
@@ -222,7 +238,8 @@ def _bf16_flags() -> set[str]:
 
 
 def cmd_demo(args: argparse.Namespace) -> dict:
-    clone = Path(tempfile.mkdtemp(prefix=f"demo_{args.dtype}."))
+    label = args.label or args.dtype
+    clone = Path(tempfile.mkdtemp(prefix=f"demo_{label}."))
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone / "repo")], check=True)
     repo = clone / "repo"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
@@ -232,10 +249,10 @@ def cmd_demo(args: argparse.Namespace) -> dict:
     log = clone / "demo.log"
     start = time.time()
     with open(log, "w") as f:
-        done = subprocess.run(["make", "demo"], cwd=repo, env=env, stdout=f, stderr=subprocess.STDOUT)
+        done = subprocess.run(["make", "demo", *args.make], cwd=repo, env=env, stdout=f, stderr=subprocess.STDOUT)
     wall = time.time() - start
     if done.returncode:
-        raise SystemExit(f"make demo ({args.dtype}) failed (exit {done.returncode}); see {log}")
+        raise SystemExit(f"make demo ({label}) failed (exit {done.returncode}); see {log}")
     out = repo / "outputs"
     prep_summary = out / "prep" / TARGET / "summary.json"
     run = out / "runs" / "demo"
@@ -249,10 +266,11 @@ def cmd_demo(args: argparse.Namespace) -> dict:
     prep, train = json.loads(prep_summary.read_text()), json.loads((run / "summary.json").read_text())
     report = json.loads((run / "eval" / "report.json").read_text())
     row = {
-        "commit": commit, "wall_s": wall, "stage_s": stage_s,
+        "commit": commit, "make": args.make, "dtype": args.dtype, "wall_s": wall, "stage_s": stage_s,
         "dtypes": {"prep": prep["dtype"], "train": train["precision"], "eval": report["dtype"]},
         "prep_samples": prep["samples"], "regen_tokens_per_s": prep["regen_tokens_per_s"],
         "capture_tokens_per_s": prep["capture_tokens_per_s"], "train_steps": train["steps"],
+        "train_epochs": train["epoch"],
         "held_out_sim_tau": (train.get("eval") or {}).get("sim_tau"),
         "mtbench_tau": report["tau_pooled"], "mtbench_tau_ci95": report.get("tau_ci95"),
         "mtbench_turns": report["num_requests"], "outputs_identical": report.get("outputs_identical_to_baseline"),
@@ -264,12 +282,146 @@ def cmd_demo(args: argparse.Namespace) -> dict:
                               "or 1 (bf16), every setting auto; stage_s: from the previous stage's end to the file "
                               "each stage writes last; held-out sim tau from training's own eval")
     merged["cpu"] = _cpu_name()
-    merged.setdefault("rows", {})[args.dtype] = row
+    merged.setdefault("rows", {})[label] = row
     path.write_text(dumps(merged, indent=1) + "\n")
-    print(dumps({args.dtype: row}, indent=1))
+    plot_demos(merged, path.with_suffix(".png"))
+    print(dumps({label: row}, indent=1))
     if not args.keep:
         shutil.rmtree(clone, ignore_errors=True)
     return row
+
+
+def plot_demos(result: dict, path: Path) -> None:
+    """One stacked bar per cold demo: where its minutes went, its taus written beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(result["rows"])
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.7 * len(labels)))
+    colors = {"setup": "tab:gray", "prep": "tab:blue", "train": "tab:orange", "eval": "tab:green",
+              "summary": "tab:purple"}
+    for y, label in enumerate(labels):
+        row, left = result["rows"][label], 0.0
+        for stage, seconds in row["stage_s"].items():
+            ax.barh(y, seconds / 60, left=left, color=colors.get(stage, "black"),
+                    label=stage if y == 0 else None)
+            left += seconds / 60
+        held = row["held_out_sim_tau"]
+        ax.text(left + 0.2, y, f"{left:.1f} min; held-out sim tau {held:.3f}, MT-bench tau {row['mtbench_tau']:.3f}"
+                if held is not None else f"{left:.1f} min", va="center", fontsize=8)
+    ax.set_yticks(range(len(labels)),
+                  [f"{lb}\n{result['rows'][lb]['prep_samples']['train']} conv., {result['rows'][lb]['train_steps']} "
+                   "steps" for lb in labels], fontsize=8)
+    ax.set_xlabel("minutes, cold on a fresh clone")
+    ax.set_xlim(0, max(sum(r["stage_s"].values()) for r in result["rows"].values()) / 60 * 1.9)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title(f"make demo on {result['cpu']} (2 cores)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def read_bandwidth(dtype: str) -> float:
+    """GB/s of a sum over a 256 MiB tensor on 2 threads, in a fresh process."""
+    code = ("import torch, time, statistics; torch.set_num_threads(2); "
+            f"x = torch.ones(256 * 2**20 // torch.tensor([], dtype=torch.{dtype}).element_size(), "
+            f"dtype=torch.{dtype})\n"
+            "for _ in range(3): x.sum()\n"
+            "ts = []\n"
+            "for _ in range(10):\n"
+            "    t = time.perf_counter(); x.sum(); ts.append(time.perf_counter() - t)\n"
+            "print(x.numel() * x.element_size() / statistics.median(ts) / 1e9)")
+    out = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-c", code], capture_output=True, text=True,
+                         check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def decode_step_s(dtype: str, context: int = 256) -> float:
+    """Median seconds of the embedded target's one-token forward after a `context`-token prefill (2 threads)."""
+    code = f"""
+import statistics, time, torch
+from transformers import AutoModelForCausalLM, DynamicCache
+from data_prep.targets import materialise_embedded, resolve_target
+torch.set_num_threads(2)
+path = materialise_embedded(resolve_target({TARGET!r}))
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.{dtype}, attn_implementation="sdpa").eval()
+ids, one, ts = torch.randint(0, 40000, (1, {context})), torch.tensor([[5]]), []
+with torch.no_grad():
+    cache = DynamicCache()
+    model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    for i in range(35):
+        t = time.perf_counter()
+        model(input_ids=one, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if i >= 5:
+            ts.append(time.perf_counter() - t)
+print(statistics.median(ts))
+"""
+    out = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def cmd_decode_bandwidth(args: argparse.Namespace) -> dict:
+    params = target_params()
+    weights = params["layers"] + params["head"]
+    rows = {}
+    for dtype, torch_dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
+        size = 4 if dtype == "fp32" else 2
+        bandwidth, step = read_bandwidth(torch_dtype), decode_step_s(torch_dtype)
+        reached = weights * size / step / 1e9
+        rows[dtype] = {"read_gb_per_s": bandwidth, "step_s": step, "tokens_per_s": 1 / step,
+                       "weight_bytes": weights * size, "weight_gb_per_s": reached,
+                       "share_of_read_bandwidth": reached / bandwidth}
+        print(dtype, f"read {bandwidth:.1f} GB/s; one-token step {1000 * step:.1f} ms ({reached:.1f} GB/s of "
+              f"weights, {100 * reached / bandwidth:.0f}% of the read bandwidth)")
+    path = Path(args.out)
+    merged = json.loads(path.read_text()) if path.exists() else {}
+    merged["decode_bandwidth"] = {
+        "what": "batch-1 decoding reads every weight once per token: the embedded target's one-token forward "
+                "(256-token context, sdpa, KV cache, 2 threads, median of 30) against the read bandwidth of a "
+                "256 MiB sum (2 threads, median of 10), one run, the machine alone",
+        "rows": rows, "bf16_over_fp32": rows["bf16"]["tokens_per_s"] / rows["fp32"]["tokens_per_s"]}
+    path.write_text(dumps(merged, indent=1) + "\n")
+    return merged["decode_bandwidth"]
+
+
+def cmd_budget(args: argparse.Namespace) -> dict:
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    prep = work / "prep"
+    if not (prep / "summary.json").exists():
+        make("prep", work / "prep.log", env, PREP_DIR=str(prep), NPROC="1", NUM_SAMPLES=str(args.samples),
+             OMP_NUM_THREADS="2", VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="6",
+             ARGS="$(DEMO_PREP_ARGS) $(DEMO_VLLM_ARGS)")
+    summary = json.loads((prep / "summary.json").read_text())
+    runs = {}
+    for variant in args.variants.split(","):
+        n, epochs = (int(x) for x in variant.split(":"))
+        run = work / f"run_n{n}_e{epochs}"
+        if not (run / "summary.json").exists():
+            shutil.rmtree(run, ignore_errors=True)
+            make("train", work / f"train_n{n}_e{epochs}.log", env, EXP="eagle3_demo", PREP_DIR=str(prep),
+                 RUN_DIR=str(run), ARGS=f"$(DEMO_TRAIN_ARGS) data.train_samples={n} train.epochs={epochs}")
+        done = json.loads((run / "summary.json").read_text())
+        runs[f"n{n}_e{epochs}"] = {"conversations": n, "epochs": epochs, "steps": done["steps"],
+                                   "train_wall_s": done["wall_s"], "precision": done["precision"],
+                                   "held_out_sim_tau": done["eval"]["sim_tau"]}
+        print(f"{n} conversations x {epochs} epochs: {done['steps']} steps, {done['wall_s']:.0f} s, held-out sim "
+              f"tau {done['eval']['sim_tau']:.3f}")
+    result = {
+        "what": "what the demo's minutes buy: one prep with the demo's settings, then the demo recipe (2 ranks, "
+                "held-out eval at the end) on nested subsets of n training conversations for e epochs; one seed "
+                "each (the recipe's seed spread of held-out sim tau: 0.045, bench/results/schedule_b4.json)",
+        "cpu": _cpu_name(), "prep_samples": summary["samples"], "prep_dtype": summary["dtype"],
+        "regen_tokens_per_s": summary["regen_tokens_per_s"], "capture_tokens_per_s": summary["capture_tokens_per_s"],
+        "train_tokens": summary.get("tokens", {}).get("train") if isinstance(summary.get("tokens"), dict) else None,
+        "runs": runs,
+    }
+    out = Path(args.out)
+    out.write_text(dumps(result, indent=1) + "\n")
+    return result
 
 
 def main() -> None:
@@ -285,8 +437,19 @@ def main() -> None:
     d.add_argument("--dtype", choices=sorted(DTYPES), required=True)
     d.add_argument("--out", default=str(RESULTS / "demo_dtypes.json"))
     d.add_argument("--keep", action="store_true", help="keep the clone and its outputs")
+    d.add_argument("--label", default=None, help="the row's name (default: the dtype)")
+    d.add_argument("--make", action="append", default=[], metavar="VAR=value",
+                   help="a make variable for `make demo` (repeatable), e.g. NUM_SAMPLES=200")
+    g = sub.add_parser("budget", help="held-out tau of the demo recipe against conversations and epochs")
+    g.add_argument("--work", required=True, help="where the prep and the runs go (resumable)")
+    g.add_argument("--samples", type=int, default=450, help="prep's num_samples")
+    g.add_argument("--variants", default="173:6,260:4,300:3,403:3,173:8", help="n:epochs, comma-separated")
+    g.add_argument("--out", default=str(RESULTS / "demo_budget.json"))
+    b = sub.add_parser("decode-bandwidth", help="plain decoding against the memory's read bandwidth")
+    b.add_argument("--out", default=str(RESULTS / "stage_dtypes.json"))
     args = p.parse_args()
-    (cmd_stages if args.cmd == "stages" else cmd_demo)(args)
+    {"stages": cmd_stages, "demo": cmd_demo, "decode-bandwidth": cmd_decode_bandwidth,
+     "budget": cmd_budget}[args.cmd](args)
 
 
 if __name__ == "__main__":

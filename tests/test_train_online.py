@@ -167,6 +167,7 @@ def test_online_run_resumes_bit_identically_and_is_the_offline_run(runs) -> None
     summary = json.loads((runs["online"] / "summary.json").read_text())
     assert summary["data"]["source"] == "online" and summary["data"]["bytes_written"] == 0
     assert summary["data"]["target_forwards"] == 8 and summary["data"]["target_forward_s"] > 0  # 4 batches x 2
+    assert summary["data"]["target_dtype"] == "float32"  # the tests pin fp32 (conftest: DRAFTERS_CPU_BF16=0)
     assert not (runs["online"] / "captured").exists()
 
 

@@ -227,7 +227,8 @@ class OnlineSamples:
         return self.get_many([i])[0]
 
     def stats(self) -> dict:
-        return {"source": "online", "target_forward_s": self.forward_seconds,
+        dtype = str(next(self.target.model.parameters()).dtype).removeprefix("torch.")
+        return {"source": "online", "target_dtype": dtype, "target_forward_s": self.forward_seconds,
                 "target_forward_tokens": self.forward_tokens, "target_forwards": self.forwards, "bytes_written": 0}
 
 
