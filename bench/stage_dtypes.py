@@ -34,8 +34,8 @@ and draws demo_dtypes.png.
 
 `decode-bandwidth`: batch-1 decoding reads every weight once per token, so its bound is the memory's read
 bandwidth, not the matmul peak. For each dtype: the read bandwidth (a sum over a 256 MiB tensor on 2 threads, median
-of 10) and the embedded target's one-token forward at a 256-token context (median of 30, sdpa, a KV cache), whose
-weight bytes over its time give the bandwidth it reaches. Merges "decode_bandwidth" into stage_dtypes.json.
+of 10) and plain decoding's one-token step as eval runs it (the embedded target, a 256-token context, a KV cache;
+median of 30), whose weight bytes over its time give the bandwidth it reaches. Merges "decode_bandwidth" into stage_dtypes.json.
 
 `budget`: what the demo's minutes buy, in this machine's default dtype: one `make prep` with the demo's settings on
 --samples conversations, then `make train EXP=eagle3_demo` (2 ranks, held-out eval at the end) on nested subsets of
@@ -63,23 +63,31 @@ from infra.strict_json import dumps
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 DTYPES = {"fp32": "0", "bf16": "1"}  # DRAFTERS_CPU_BF16
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 TARGET = "smollm2-135m-instruct"
 DEMO_EVAL = ("decode.mode=tree decode.temperature=0 decode.max_new_tokens=128 decode.auto_total_tokens=true "
              "threads=2")
 
 
-def matmul_peak(dtype: str, n: int = 2048, repeats: int = 10) -> float:
-    """GFLOP/s of an n^3 matmul on 2 threads, in a fresh process (its own thread settings)."""
-    code = (f"import torch, time, statistics; torch.set_num_threads(2); dt = torch.{dtype}; "
-            f"a = torch.randn({n}, {n}).to(dt); b = torch.randn({n}, {n}).to(dt)\n"
-            "for _ in range(3): a @ b\n"
-            "ts = []\n"
-            f"for _ in range({repeats}):\n"
-            "    t = time.perf_counter(); a @ b; ts.append(time.perf_counter() - t)\n"
-            f"print(2 * {n} ** 3 / statistics.median(ts) / 1e9)")
+def fresh_python(code: str) -> float:
+    """Run `code` in a fresh .venv python (its own thread settings; the repository importable) and return the number
+    its last line prints."""
     out = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-c", code], capture_output=True, text=True,
-                         check=True)
+                         check=True, cwd=ROOT)
     return float(out.stdout.strip().splitlines()[-1])
+
+
+def matmul_peak(dtype: str, n: int = 2048, repeats: int = 10) -> float:
+    """GFLOP/s of an n^3 matmul on 2 threads, in a fresh process."""
+    return fresh_python(
+        f"import torch, time, statistics; torch.set_num_threads(2); dt = torch.{TORCH_DTYPES[dtype]}; "
+        f"a = torch.randn({n}, {n}).to(dt); b = torch.randn({n}, {n}).to(dt)\n"
+        "for _ in range(3): a @ b\n"
+        "ts = []\n"
+        f"for _ in range({repeats}):\n"
+        "    t = time.perf_counter(); a @ b; ts.append(time.perf_counter() - t)\n"
+        f"print(2 * {n} ** 3 / statistics.median(ts) / 1e9)")
 
 
 def make(target: str, log: Path, env: dict, **variables: str) -> float:
@@ -91,6 +99,13 @@ def make(target: str, log: Path, env: dict, **variables: str) -> float:
     if done.returncode:
         raise SystemExit(f"{' '.join(args)} failed (exit {done.returncode}); see {log}")
     return time.perf_counter() - start
+
+
+def make_demo_prep(prep: Path, log: Path, env: dict, samples: int) -> float:
+    """`make prep` with the demo's settings (one vLLM server on both cores) on `samples` conversations; its wall s."""
+    return make("prep", log, env, PREP_DIR=str(prep), NPROC="1", NUM_SAMPLES=str(samples), OMP_NUM_THREADS="2",
+                VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="6",
+                ARGS="$(DEMO_PREP_ARGS) $(DEMO_VLLM_ARGS)")
 
 
 def stage_env(dtype: str) -> dict:
@@ -137,13 +152,10 @@ def cmd_stages(args: argparse.Namespace) -> dict:
     rows: dict[str, dict] = {}
     for dtype in DTYPES:
         env = stage_env(dtype)
-        row: dict = {"peak_gflops": matmul_peak({"fp32": "float32", "bf16": "bfloat16"}[dtype])}
+        row: dict = {"peak_gflops": matmul_peak(dtype)}
         prep = work / f"prep_{dtype}"
         shutil.rmtree(prep, ignore_errors=True)
-        row["prep_wall_s"] = make("prep", work / f"prep_{dtype}.log", env, PREP_DIR=str(prep), NPROC="1",
-                                  NUM_SAMPLES=str(args.samples), OMP_NUM_THREADS="2",
-                                  VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="6",
-                                  ARGS="$(DEMO_PREP_ARGS) $(DEMO_VLLM_ARGS)")
+        row["prep_wall_s"] = make_demo_prep(prep, work / f"prep_{dtype}.log", env, args.samples)
         summary = json.loads((prep / "summary.json").read_text())
         row.update(prep_dtype=summary["dtype"], regen_tokens_per_s=summary["regen_tokens_per_s"],
                    capture_tokens_per_s=summary["capture_tokens_per_s"])
@@ -324,62 +336,54 @@ def plot_demos(result: dict, path: Path) -> None:
 
 def read_bandwidth(dtype: str) -> float:
     """GB/s of a sum over a 256 MiB tensor on 2 threads, in a fresh process."""
-    code = ("import torch, time, statistics; torch.set_num_threads(2); "
-            f"x = torch.ones(256 * 2**20 // torch.tensor([], dtype=torch.{dtype}).element_size(), "
-            f"dtype=torch.{dtype})\n"
-            "for _ in range(3): x.sum()\n"
-            "ts = []\n"
-            "for _ in range(10):\n"
-            "    t = time.perf_counter(); x.sum(); ts.append(time.perf_counter() - t)\n"
-            "print(x.numel() * x.element_size() / statistics.median(ts) / 1e9)")
-    out = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-c", code], capture_output=True, text=True,
-                         check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    return fresh_python(
+        f"import torch, time, statistics; torch.set_num_threads(2); "
+        f"x = torch.ones(256 * 2**20 // {DTYPE_BYTES[dtype]}, dtype=torch.{TORCH_DTYPES[dtype]})\n"
+        "for _ in range(3): x.sum()\n"
+        "ts = []\n"
+        "for _ in range(10):\n"
+        "    t = time.perf_counter(); x.sum(); ts.append(time.perf_counter() - t)\n"
+        "print(x.numel() * x.element_size() / statistics.median(ts) / 1e9)")
 
 
 def decode_step_s(dtype: str, context: int = 256) -> float:
-    """Median seconds of the embedded target's one-token forward after a `context`-token prefill (2 threads)."""
-    code = f"""
+    """Median seconds of plain decoding's step as eval runs it (eval/spec_decode.py plain_generate: the target
+    loaded by prep's loader, TargetRunner.forward of one token, last logits only) after a `context`-token prefill,
+    2 threads, in a fresh process."""
+    return fresh_python(f"""
 import statistics, time, torch
-from transformers import AutoModelForCausalLM, DynamicCache
-from data_prep.targets import materialise_embedded, resolve_target
+from data_prep.targets import load_target, resolve_target
+from eval.target import TargetRunner
 torch.set_num_threads(2)
-path = materialise_embedded(resolve_target({TARGET!r}))
-model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.{dtype}, attn_implementation="sdpa").eval()
-ids, one, ts = torch.randint(0, 40000, (1, {context})), torch.tensor([[5]]), []
-with torch.no_grad():
-    cache = DynamicCache()
-    model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    for i in range(35):
-        t = time.perf_counter()
-        model(input_ids=one, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        if i >= 5:
-            ts.append(time.perf_counter() - t)
+runner = TargetRunner(load_target(resolve_target({TARGET!r}), {TORCH_DTYPES[dtype]!r}, "cpu")[0].eval())
+cache, ts = runner.new_cache(), []
+runner.forward(torch.randint(0, 40000, ({context},)).tolist(), cache, want_taps=False, last_logits_only=True)
+for i in range(35):
+    t = time.perf_counter()
+    runner.forward([5], cache, want_taps=False, last_logits_only=True)
+    if i >= 5:
+        ts.append(time.perf_counter() - t)
 print(statistics.median(ts))
-"""
-    out = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-c", code], capture_output=True, text=True,
-                         check=True, cwd=ROOT)
-    return float(out.stdout.strip().splitlines()[-1])
+""")
 
 
 def cmd_decode_bandwidth(args: argparse.Namespace) -> dict:
     params = target_params()
     weights = params["layers"] + params["head"]
     rows = {}
-    for dtype, torch_dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
-        size = 4 if dtype == "fp32" else 2
-        bandwidth, step = read_bandwidth(torch_dtype), decode_step_s(torch_dtype)
-        reached = weights * size / step / 1e9
+    for dtype in DTYPES:
+        bandwidth, step = read_bandwidth(dtype), decode_step_s(dtype)
+        reached = weights * DTYPE_BYTES[dtype] / step / 1e9
         rows[dtype] = {"read_gb_per_s": bandwidth, "step_s": step, "tokens_per_s": 1 / step,
-                       "weight_bytes": weights * size, "weight_gb_per_s": reached,
+                       "weight_bytes": weights * DTYPE_BYTES[dtype], "weight_gb_per_s": reached,
                        "share_of_read_bandwidth": reached / bandwidth}
         print(dtype, f"read {bandwidth:.1f} GB/s; one-token step {1000 * step:.1f} ms ({reached:.1f} GB/s of "
               f"weights, {100 * reached / bandwidth:.0f}% of the read bandwidth)")
     path = Path(args.out)
     merged = json.loads(path.read_text()) if path.exists() else {}
     merged["decode_bandwidth"] = {
-        "what": "batch-1 decoding reads every weight once per token: the embedded target's one-token forward "
-                "(256-token context, sdpa, KV cache, 2 threads, median of 30) against the read bandwidth of a "
+        "what": "batch-1 decoding reads every weight once per token: plain decoding's one-token step as eval runs "
+                "it (the embedded target, 256-token context, KV cache, 2 threads, median of 30) against the read bandwidth of a "
                 "256 MiB sum (2 threads, median of 10), one run, the machine alone",
         "rows": rows, "bf16_over_fp32": rows["bf16"]["tokens_per_s"] / rows["fp32"]["tokens_per_s"]}
     path.write_text(dumps(merged, indent=1) + "\n")
@@ -392,9 +396,7 @@ def cmd_budget(args: argparse.Namespace) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     prep = work / "prep"
     if not (prep / "summary.json").exists():
-        make("prep", work / "prep.log", env, PREP_DIR=str(prep), NPROC="1", NUM_SAMPLES=str(args.samples),
-             OMP_NUM_THREADS="2", VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="6",
-             ARGS="$(DEMO_PREP_ARGS) $(DEMO_VLLM_ARGS)")
+        make_demo_prep(prep, work / "prep.log", env, args.samples)
     summary = json.loads((prep / "summary.json").read_text())
     runs = {}
     for variant in args.variants.split(","):
@@ -416,7 +418,7 @@ def cmd_budget(args: argparse.Namespace) -> dict:
                 "each (the recipe's seed spread of held-out sim tau: 0.045, bench/results/schedule_b4.json)",
         "cpu": _cpu_name(), "prep_samples": summary["samples"], "prep_dtype": summary["dtype"],
         "regen_tokens_per_s": summary["regen_tokens_per_s"], "capture_tokens_per_s": summary["capture_tokens_per_s"],
-        "train_tokens": summary.get("tokens", {}).get("train") if isinstance(summary.get("tokens"), dict) else None,
+        "train_tokens": summary["tokens"]["train"],
         "runs": runs,
     }
     out = Path(args.out)
