@@ -16,6 +16,12 @@ Output: JSONL, one line per conversation, appended and flushed as each conversat
 A regenerated reply carries ``"cut": true`` when it stopped at ``max_new_tokens`` and, from the hf and vllm backends,
 ``"token_ids"``: the ids the target generated for its content (data_prep/chat.py puts exactly those in the sample).
 
+One pass (vllm backend on an extracting server, capture.one_pass): every request also keeps the target's hidden
+states of its prompt and reply (:class:`ReplyStates`); a conversation keeps those of its latest reply, and
+``on_finished(conversation, states)`` receives them once its line is written (data_prep/pipeline.py builds its
+shard sample from them: no second pass over its tokens). Every other file is deleted as soon as it is superseded
+(the next turn's reply) or unused (a failed, skipped or empty reply), and the callback's file after it returns.
+
 - ok: every assistant turn (up to ``max_turns``; the later ones are cut and counted in
   ``later_turns_dropped``) regenerated; a reply cut by ``max_new_tokens`` is kept, marked ``"cut": true``
   (counted in ``truncated_replies``; the prep decides with ``regen.on_length`` what it teaches); an empty
@@ -74,6 +80,24 @@ class SamplingParams:
     enable_thinking: bool | None = None  # passed to the chat template when not None
 
 
+@dataclass(frozen=True)
+class ReplyStates:
+    """The target's hidden states of one reply's request, kept by the engine that generated it: its connector file
+    (vLLM's `include_output_tokens`: the prompt and every generated token but the last, which was never fed through
+    the model) and that last generated token (the stop token, or a cut reply's last token)."""
+
+    path: Path
+    last_token: int
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _release(states: ReplyStates | None) -> None:
+    if states is not None:
+        states.release()
+
+
 @dataclass
 class Reply:
     content: str | None = None
@@ -84,6 +108,7 @@ class Reply:
     # hf, vllm: the ids generated for `content` where decoding and re-encoding them gives other ids (Message.token_ids)
     token_ids: tuple[int, ...] | None = None
     tokens: int = 0  # tokens the engine generated for this reply, its stop token included (openai: its usage)
+    states: ReplyStates | None = None  # vllm with keep_states: the request's hidden states (module doc, one pass)
 
 
 class Backend(Protocol):
@@ -117,7 +142,7 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
 class TemplateBackend:
     """A backend that renders each prompt with the target's chat template, generates token ids and decodes them
     itself (hf, vllm): the reply's ids are known, so `Reply.token_ids` can carry them. Subclasses give
-    `_generate_ids(prompt ids, params, stop ids) -> [(generated ids, stopped by max_new_tokens)]`."""
+    `_generate_ids(prompt ids, params, stop ids) -> [(generated ids, stopped by max_new_tokens[, states file])]`."""
 
     where = "a template backend"  # what RegenerationError names
     fatal: tuple[type[BaseException], ...] = ()  # errors that stop the regeneration instead of failing a batch
@@ -163,7 +188,7 @@ class TemplateBackend:
         return tuple(ids[i:j]) if content and self.tok.decode(ids[i:j], skip_special_tokens=False) == content else None
 
     def _generate_ids(self, prompts: list[list[int]], params: SamplingParams,
-                      stop: list[int]) -> list[tuple[list[int], bool]]:
+                      stop: list[int]) -> list[tuple]:
         raise NotImplementedError
 
     def generate(self, prompts: Sequence[Sequence[Message]], params: SamplingParams) -> list[Reply]:
@@ -192,7 +217,8 @@ class TemplateBackend:
                 for i, _ in encoded:
                     replies[i] = Reply(error=f"generate: {type(err).__name__}: {err}")
             else:
-                for (i, _), (ids, truncated) in zip(encoded, generated):
+                for (i, _), (ids, truncated, *kept) in zip(encoded, generated):
+                    states = ReplyStates(Path(kept[0]), int(ids[-1])) if kept and kept[0] is not None else None
                     cut = next((j for j, t in enumerate(ids) if t in stop), None)
                     generated_tokens = len(ids) if cut is None else cut + 1
                     ids = ids if cut is None else ids[:cut]
@@ -204,7 +230,7 @@ class TemplateBackend:
                     # decode -> re-encode does not always give the generated ids back (data_prep/chat.py, step 5)
                     token_ids = self._ids_of(ids, content) if reasoning is None else None
                     replies[i] = Reply(content=content, reasoning=reasoning, truncated=truncated, token_ids=token_ids,
-                                       tokens=generated_tokens)
+                                       tokens=generated_tokens, states=states)
         return [r if r is not None else Reply(error="no reply") for r in replies]
 
 
@@ -252,7 +278,8 @@ class HFBackend(TemplateBackend):
 class VLLMBackend(TemplateBackend):
     """Prep's vLLM servers (data_prep/vllm_client.py VLLMClient: the servers that also capture with
     capture.engine=vllm): the prompts rendered and the replies decoded here, as hf does, generated by vLLM from
-    token ids, a batch's requests in flight together (vLLM schedules them together)."""
+    token ids, a batch's requests in flight together (vLLM schedules them together). `keep_states` (an extracting
+    server, capture.one_pass): each Reply carries its request's hidden states (ReplyStates)."""
 
     def __init__(
         self,
@@ -263,19 +290,20 @@ class VLLMBackend(TemplateBackend):
         chat_template: str | None = None,
         enable_thinking: bool | None = None,
         seed: int | None = None,
+        keep_states: bool = False,
     ):
         super().__init__(tokenizer, eos_token_id=eos_token_id, max_positions=client.spec.max_model_len,
                          chat_template=chat_template, enable_thinking=enable_thinking)
-        self.client, self.seed = client, seed
+        self.client, self.seed, self.keep_states = client, seed, keep_states
         self.where = client.where
         self.fatal = (VLLMServerError,)  # a server gone or stuck is no one conversation's failure
 
     def _generate_ids(self, prompts: list[list[int]], params: SamplingParams,
-                      stop: list[int]) -> list[tuple[list[int], bool]]:
+                      stop: list[int]) -> list[tuple]:
         outs = self.client.generate(prompts, max_tokens=params.max_new_tokens, temperature=params.temperature,
                                     top_p=params.top_p, seed=self.seed if params.temperature > 0 else None,
-                                    stop_token_ids=stop)
-        return [(o["token_ids"], o["finish_reason"] == "length") for o in outs]
+                                    stop_token_ids=stop, keep_states=self.keep_states)
+        return [(o["token_ids"], o["finish_reason"] == "length", o.get("states")) for o in outs]
 
 
 class OpenAIBackend:
@@ -457,6 +485,7 @@ class _Work:
     status: str = "ok"
     reason: str = ""
     finished: bool = False
+    states: ReplyStates | None = None  # the hidden states of the latest reply kept (one pass)
 
 
 def _plan(conv: Conversation, max_turns: int | None) -> _Work:
@@ -488,6 +517,7 @@ def regenerate(
     progress: bool = True,
     prompt_fits: Callable[[list[Message]], bool] | None = None,
     should_stop: Callable[[], int] | None = None,
+    on_finished: Callable[[Conversation, ReplyStates | None], None] | None = None,
 ) -> RegenSummary:
     """Regenerate `conversations` into `out_path` (JSONL, resumable); see the module doc.
 
@@ -497,7 +527,9 @@ def regenerate(
     no room for a whole reply after that prompt (the prep's max_len); nothing is sent for it. `should_stop()`: the
     stop signal received (prep's StopSignals), checked before every backend call (a backend may also raise
     Preempted while it waits): the conversations finished are in the file, the batch in flight is not, and
-    Preempted (exit 75) ends the regeneration; a rerun regenerates the rest.
+    Preempted (exit 75) ends the regeneration; a rerun regenerates the rest. `on_finished(conversation, states)`:
+    called for every ok conversation right after its line is written, with the hidden states of its last reply
+    when the backend kept them (module doc, one pass; None otherwise); the file is deleted once it returns.
     """
     from tqdm import tqdm
 
@@ -537,15 +569,21 @@ def regenerate(
                 "reason": w.reason,
                 **Conversation(w.conv.id, w.done, w.conv.source).to_dict(),
             }
-            f.write(dumps(line, ensure_ascii=False) + "\n")
+            text = dumps(line, ensure_ascii=False)
+            f.write(text + "\n")
             f.flush()  # a crash loses at most the line being written
             w.finished = True
             final[w.conv.id] = w.status
             summary.reasons[w.reason or w.status] += 1
             bar.update(1)
+            if on_finished is not None and w.status == "ok":
+                # the conversation as the file gives it back (load_regenerated), so its sample is the one rendered later
+                on_finished(Conversation.from_dict(json.loads(text)), w.states)
+            _release(w.states)
+            w.states = None
 
-        for b in range(0, len(pending), batch_size):
-            batch = [_plan(c, max_turns) for c in pending[b : b + batch_size]]
+        def run_batch(batch: list[_Work]) -> None:
+            nonlocal first_call
             turn = 0
             while active := [w for w in batch if w.status == "ok" and turn < len(w.todo)]:
                 if should_stop is not None and should_stop():
@@ -571,6 +609,15 @@ def regenerate(
             for w in batch:
                 if not w.finished:
                     finish(w)
+
+        for b in range(0, len(pending), batch_size):
+            batch = [_plan(c, max_turns) for c in pending[b : b + batch_size]]
+            try:
+                run_batch(batch)
+            finally:  # stopped or failed: the states still held are not handed on
+                for w in batch:
+                    _release(w.states)
+                    w.states = None
         os.fsync(f.fileno())
     bar.close()
     counts = Counter(final[c.id] for c in conversations)
@@ -583,11 +630,13 @@ def regenerate(
 def _apply(w: _Work, prompt: list[Message], r: Reply, summary: RegenSummary) -> None:
     if r.error is not None:
         w.status, w.reason = "error", r.error
+        _release(r.states)
         return
     if r.skip is not None or not (r.content or "").strip():
+        _release(r.states)
         reason = r.skip or ("no answer within max_new_tokens" if r.truncated else "empty reply")
         n_done = sum(m.role == "assistant" for m in w.done)
-        if n_done:  # keep what was regenerated: the conversation just ends earlier
+        if n_done:  # keep what was regenerated: the conversation just ends earlier (its last reply's states kept)
             w.todo, w.reason = w.todo[:n_done], f"ended early: {reason}"
         else:
             w.status, w.reason = "skipped", reason
@@ -596,3 +645,5 @@ def _apply(w: _Work, prompt: list[Message], r: Reply, summary: RegenSummary) -> 
     summary.generated_tokens += r.tokens
     summary.truncated_replies += r.truncated
     w.done = [*prompt, Message("assistant", r.content, r.reasoning or None, r.truncated, r.token_ids)]
+    _release(w.states)  # the previous turn's request: this one's prompt holds that turn
+    w.states = r.states

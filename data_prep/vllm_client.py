@@ -4,6 +4,7 @@ the requests regeneration (regen.backend=vllm) and capture (capture.engine=vllm)
     with VLLMClient(spec, cfg.vllm, rank=r, world=w, local_rank=l, devices="2,3", log_path=out / "vllm.r0.log") as client:
         client.wait_ready()                                   # bounded by vllm.timeout_s
         client.generate([prompt ids, ...], max_tokens=256, temperature=0.0, stop_token_ids=[2])
+        client.generate([prompt ids, ...], max_tokens=256, keep_states=True)  # + each reply's states file
         for key, path, choice in client.capture([(key, ids), ...]): ...   # in order; each file deleted after
 
 Where the servers come from:
@@ -18,8 +19,11 @@ Where the servers come from:
   server removes the launch's scratch once prep is gone, however it ended.
 
 Every request is `/v1/completions` with token ids in and out (`return_token_ids`): a regeneration request
-samples the reply; a capture request has max_tokens=1, so its prefill computes every prompt position once, and
-names where the connector writes its hidden states (`kv_transfer_params.hidden_states_path`): a file in this
+samples the reply, and on an extracting server with capture.one_pass it also keeps the states of its prompt and
+reply (`kv_transfer_params.include_output_tokens`: vLLM's connector then saves every token fed through the model,
+the prompt and each generated token but the last); a capture request has max_tokens=1, so its prefill computes every
+prompt position once. Each names where the connector writes its hidden states
+(`kv_transfer_params.hidden_states_path`): a file in this
 launch's own directory of node-local scratch (`vllm.scratch_dir`, default $TMPDIR), new for every launch, so a
 rerun never reads an earlier launch's files; an answer naming any other file is refused. A rank keeps at most
 vllm.max_in_flight requests in flight and at most vllm.scratch_gb of their files on disk (a request's file counted
@@ -378,8 +382,17 @@ class VLLMClient:
                 future.cancel()
 
     def generate(self, prompts: list[list[int]], *, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, stop_token_ids: list[int] | None = None) -> list[dict]:
-        """Each prompt's {"token_ids", "finish_reason"} (stop | length), sampled by the servers."""
+                 seed: int | None = None, stop_token_ids: list[int] | None = None,
+                 keep_states: bool = False) -> list[dict]:
+        """Each prompt's {"token_ids", "finish_reason"} (stop | length), sampled by the servers. On an extracting
+        server every request's states are written; `keep_states` (capture.one_pass) asks for those of the prompt
+        and of every generated token but the last (`include_output_tokens`: the last sampled token is never fed
+        through the model) and returns the file as "states" (the caller deletes it); without it the file, the
+        prompt's states alone, is deleted here. The kept files of one call are not counted against
+        vllm.scratch_gb once answered: a caller holds at most one call's files (data_prep/pipeline.py bounds the
+        regeneration batch by the budget)."""
+        if keep_states and not self.spec.layer_ids:
+            raise ValueError("these vLLM servers were started without layer ids: they write no states to keep")
         bodies = []
         for ids in prompts:
             body = {"prompt": list(ids), "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
@@ -388,22 +401,36 @@ class VLLMClient:
             if seed is not None:
                 body["seed"] = seed
             size = 0
-            if self.spec.layer_ids:  # an extracting server saves every request's prompt states: here, then deleted
+            if self.spec.layer_ids:  # an extracting server saves every request's states: here, kept or deleted
                 self._files += 1
                 body["kv_transfer_params"] = {"hidden_states_path": self._file(f"gen-{self._files}")}
-                size = len(ids) * self.spec.file_bytes_per_token()
+                if keep_states:
+                    body["kv_transfer_params"]["include_output_tokens"] = True
+                size = (len(ids) + (max_tokens if keep_states else 0)) * self.spec.file_bytes_per_token()
             bodies.append((body, size))
-        out = []
-        for (body, _), answer in zip(bodies, self._stream(bodies)):
-            asked = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
-            if asked is not None:
-                try:
-                    # a regeneration's prompt states are not used
-                    received_file(answer, asked, self.where, timeout_s=self.timeout_s).unlink()
-                except VLLMServerError as e:
-                    raise self.stop_instead(e) from None
-            choice = answer["choices"][0]
-            out.append({"token_ids": list(map(int, choice["token_ids"])), "finish_reason": choice["finish_reason"]})
+        out: list[dict] = []
+        try:
+            for (body, _), answer in zip(bodies, self._stream(bodies)):
+                asked = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
+                path = None
+                if asked is not None:
+                    try:
+                        path = received_file(answer, asked, self.where, timeout_s=self.timeout_s)
+                    except VLLMServerError as e:
+                        raise self.stop_instead(e) from None
+                    if not keep_states:
+                        path.unlink()  # the prompt's states alone: the capture pass computes the sample's
+                        path = None
+                choice = answer["choices"][0]
+                out.append({"token_ids": list(map(int, choice["token_ids"])),
+                            "finish_reason": choice["finish_reason"]})
+                if path is not None:
+                    out[-1]["states"] = path
+        except BaseException:
+            for o in out:  # a call that fails hands no file on: the kept ones go at once
+                if "states" in o:
+                    o["states"].unlink(missing_ok=True)
+            raise
         return out
 
     def capture(self, items: list[tuple[str, list[int]]],
