@@ -127,6 +127,11 @@ class CaptureConfig:
     # group captures its share of the samples once, its first rank writes the shards (world % size == 0)
     tensor_parallel_size: int = 1
     engine: str = "hf"  # hf (transformers forward with hooks) | vllm (vLLM's hidden-state extraction, `vllm.*`)
+    # regen.backend=vllm with engine=vllm: each regenerated sample's features come from its final regeneration
+    # request (vLLM keeps the states of prompt and reply), with no second pass over its tokens; a sample those
+    # states do not cover is captured by a prefill. false: every sample captured by a prefill after regenerating
+    # (vLLM's decode-time numerics are not a prefill's: the two are compared in bench/one_pass_capture.py)
+    one_pass: bool = True
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Output directory (the prep contract; the shard format itself is documented in data_prep/shards.py):
 
-    <out>/train/, <out>/eval/        shard sets (manifest.json + shards/); eval is held out, never trained on
+    <out>/train/, <out>/eval/        shard sets (manifest.json + shards/); eval is held out, never trained on;
+                                     capture_pass.r{rank}.jsonl: the shards a one-pass regeneration wrote
     <out>/draft_vocab.safetensors    d2t, t2d, token_counts (the train split's loss-masked tokens),
                                      dataset_counts, selection_scores (data_prep/vocab.py; each
                                      rank's share of the dataset count: dataset_counts.r{rank}.safetensors)
@@ -14,8 +15,9 @@ Output directory (the prep contract; the shard format itself is documented in da
     <out>/rendered/                  the samples before capture (token ids, loss masks; data_prep/rendered.py):
                                      what data.source=online|hybrid training runs the target on. stage=render
                                      stops after writing them (and the files beside the shards): no shards
-    <out>/summary.json               counts, skips by reason, bytes, throughput; written last (atomically) and
-                                     removed when a rerun starts rewriting: no summary = an unfinished prep
+    <out>/summary.json               counts, skips by reason, bytes, throughput, how each split's samples were
+                                     captured (capture_pass), the stages' wall seconds; written last (atomically)
+                                     and removed when a rerun starts rewriting: no summary = an unfinished prep
 
 Before the target's weights load, `preflight` refuses what training would refuse (RoPE layout, geometry, tap
 ids) and a tokenizer without a chat template; right after, before any regeneration, data_prep/fidelity.py checks
@@ -27,7 +29,10 @@ captures, whether and when the transformers target loads). Prep's vLLM server (d
 rank on its own devices, or the user's vllm.urls) starts right after the data is loaded and checked, before the
 head loads, when regen.backend=vllm or capture.engine=vllm: the server that regenerates is the one that captures.
 The dataset-wide vocabulary count runs beside its startup and stops as soon as it exits; prep then waits for its
-health (bounded by vllm.timeout_s) before the probe and the regeneration.
+health (bounded by vllm.timeout_s) before the probe and the regeneration. With both on the server and
+capture.one_pass (the default), the regeneration captures: the probe is judged first, each finished conversation is
+rendered and its sample written from the states its final request kept (data_prep/vllm_capture.py OnePassCapture),
+and the capture stage prefills only the samples those states do not cover.
 
 Work is split across torchrun ranks by position (sample i goes to rank i % world); each rank writes
 its own shards and the last step (rank 0) merges the manifests. With capture.tensor_parallel_size=t the target is
@@ -284,10 +289,19 @@ def plan_regeneration(cfg: PrepConfig, preset: TargetPreset, tokenizer, convs: l
     return kept, len(convs) - len(kept)
 
 
+def one_pass_batch(cfg: PrepConfig, client) -> int:
+    """regen.batch_size, lowered where one batch's kept states (one file per conversation, at most max_len + 1
+    tokens each: capture.one_pass) would not fit the rank's vllm.scratch_gb."""
+    per_sample = client.spec.max_model_len * client.spec.file_bytes_per_token()
+    return max(1, min(cfg.regen.batch_size, client.budget // per_sample))
+
+
 def regenerate_split(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, convs, path: Path, client=None,
-                     should_stop=None):
+                     should_stop=None, on_finished=None):
     """Replace assistant turns by the target's own replies; returns the ok conversations and counts. `model`: the
-    transformers target (regen.backend=hf); `client`: prep's vLLM servers (regen.backend=vllm)."""
+    transformers target (regen.backend=hf); `client`: prep's vLLM servers (regen.backend=vllm). `on_finished`
+    (capture.one_pass, vllm): given each finished conversation and its last request's hidden states
+    (data_prep/regenerate.py regenerate)."""
     from data_prep.regenerate import HFBackend, OpenAIBackend, VLLMBackend, load_regenerated, regenerate
 
     r = cfg.regen
@@ -297,7 +311,7 @@ def regenerate_split(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, co
         backend = HFBackend(model, tokenizer, enable_thinking=thinking)
     elif r.backend == "vllm":
         backend = VLLMBackend(client, tokenizer, eos_token_id=generation_eos(preset), enable_thinking=thinking,
-                              seed=cfg.seed)
+                              seed=cfg.seed, keep_states=on_finished is not None)
     else:
         backend = OpenAIBackend(
             base_url=r.base_url,
@@ -316,10 +330,11 @@ def regenerate_split(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, co
         max_new_tokens=r.max_new_tokens,
         temperature=r.temperature,
         top_p=r.top_p,
-        batch_size=r.batch_size,
+        batch_size=one_pass_batch(cfg, client) if on_finished is not None else r.batch_size,
         max_turns=r.max_turns,
         prompt_fits=lambda messages: prompt_tokens(tokenizer, messages, kwargs) <= reply_room(cfg),
         should_stop=should_stop,
+        on_finished=on_finished,
     )
     ok = {c.id: c for c in load_regenerated(path)}
     return [ok[c.id] for c in convs if c.id in ok], summary.to_dict()
@@ -593,9 +608,35 @@ def finish(cfg: PrepConfig, out: Path, spec: ShardSpec, head: TargetHead, target
         "target_head_sha256": sha256_file(out / TARGET_HEAD_FILE),
         "target_head": asdict(head.spec),
         "fidelity": parts[0]["fidelity"],  # rank 0's probe; every rank checked its own
+        **capture_pass_summary(out, parts, captured=cfg.stage == "all"),
+        # the slowest rank's stages in this launch, wall-clock: regeneration (with one pass, its capture too),
+        # the capture stage, and the whole launch up to its part of the summary
+        "wall_s": {k: max(p.get("seconds", {}).get(k, 0.0) for p in parts) for k in ("regen", "capture", "prep")},
     }
     write_prep_summary(out, summary)
     return summary
+
+
+def capture_pass_summary(out: Path, parts: list[dict], captured: bool) -> dict:
+    """How each split's samples were captured (`capture_pass`: {split: {with_regeneration, prefill}}, from the
+    shards; data_prep/vllm_capture.py capture_passes) and, with capture.one_pass, what the one pass left to the
+    prefill (`one_pass.not_covered`, this launch's) and its next-token agreement (greedy regeneration: the head on
+    the teacher of a request's last computed position against the token vLLM generated next)."""
+    from data_prep.shards import Manifest
+    from data_prep.vllm_capture import capture_passes
+
+    passes = {split: capture_passes(out / split, Manifest.from_file(out / split / "manifest.json").shards)
+              for split in SPLITS} if captured else None
+    stats = [p["one_pass"] for p in parts if p.get("one_pass") is not None]
+    if not stats:
+        return {"capture_pass": passes, "one_pass": {"enabled": False}}
+    checked = sum(st["checked"] for part in stats for st in part.values())
+    agreed = sum(st["agreed"] for part in stats for st in part.values())
+    return {"capture_pass": passes,
+            "one_pass": {"enabled": True,
+                         "not_covered": {split: sum(part.get(split, {}).get("not_covered", 0) for part in stats)
+                                         for split in SPLITS},
+                         "next_token_agreement": agreed / checked if checked else None}}
 
 
 def run(cfg: PrepConfig) -> dict | None:
@@ -626,6 +667,9 @@ class PrepPlan:
     # servers regenerated and stopped: the devices are its then) or None (never: the head's tensors alone)
     hf_target: str | None
     why_hf: str = ""  # what the transformers target is loaded for (errors name it)
+    # capture.one_pass on the vLLM route with regeneration: the regeneration's own requests capture (no prefill
+    # pass over a sample they cover)
+    one_pass: bool = False
 
     @property
     def vllm(self) -> bool:
@@ -652,7 +696,8 @@ def plan_prep(cfg: PrepConfig) -> PrepPlan:
            else "vllm.capture_fidelity=hf" if capture == "vllm" else "the render stage's fidelity probe")
     return PrepPlan(regen=regen, capture=capture,
                     hf_target=None if not needs_hf else "after_regen" if regen == "vllm" and capture != "vllm"
-                    else "first", why_hf=why if needs_hf else "")
+                    else "first", why_hf=why if needs_hf else "",
+                    one_pass=cfg.capture.one_pass and regen == "vllm" and capture == "vllm")
 
 
 def rank_servers(cfg: PrepConfig, plan: PrepPlan, preset: TargetPreset, tap_layers: list[int], python: str | None,
@@ -704,6 +749,8 @@ def stop_point(signals: StopSignals) -> None:
 
 
 def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | None:
+    run_start = time.perf_counter()
+    seconds = {"regen": 0.0, "capture": 0.0}  # this launch's stages, wall-clock (a resumed launch: its own)
     preset = resolve_target(cfg.model)
     cfg = with_preset_defaults(cfg, preset)
     plan = plan_prep(cfg)
@@ -770,10 +817,30 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
         counts: Counter = Counter()
         mine_by_split = {split: splits[split][part::parts] for split in SPLITS}
         regen_summary: dict = {}
+        one_pass, one_pass_stats, engine_probe = None, {}, None
+        if plan.one_pass:  # the regeneration writes samples: the probe is judged before it starts
+            from data_prep import vllm_capture
+
+            engine_probe = vllm_capture.check_probe(model, head, spec, probe, client)
+            greedy = cfg.regen.temperature == 0
+
+            def one_pass(split: str):
+                def render(conv):
+                    samples, _ = render_all(cfg, tokenizer, [conv], preset)  # counted once, by render_splits
+                    return samples[0] if samples else None
+
+                return vllm_capture.OnePassCapture(client, spec, head, out / split, part,
+                                                   cfg.capture.tokens_per_shard, render, greedy)
+
+            if rank == 0 and one_pass_batch(cfg, client) < cfg.regen.batch_size:
+                print(f"capture.one_pass: regen.batch_size {cfg.regen.batch_size} -> {one_pass_batch(cfg, client)}, "
+                      f"the conversations whose states fit vllm.scratch_gb={cfg.vllm.scratch_gb}")
+        stage_start = time.perf_counter()
         if plan.regen is not None:
             group = tensor_parallel_group(model)
-            mine_by_split, regen_summary = regenerate_splits(cfg, preset, model, tokenizer, mine_by_split, out,
-                                                             part, group, client, counts, should_stop)
+            mine_by_split, regen_summary, one_pass_stats = regenerate_splits(
+                cfg, preset, model, tokenizer, mine_by_split, out, part, group, client, counts, should_stop, one_pass)
+        seconds["regen"] = time.perf_counter() - stage_start
         stop_point(signals)
         if plan.hf_target == "after_regen":  # the servers' devices are the transformers target's now
             client.close()
@@ -783,7 +850,9 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
             capture, fidelity = attach_target(stack, model, head, tap_layers, probe, devices.hf_target, rank)
         rendered = render_splits(cfg, preset, tokenizer, mine_by_split, out, part, parts, writes, counts)
         stop_point(signals)
-        captured = {"tokens": 0, "seconds": 0.0}
+        stage_start = time.perf_counter()
+        captured = {"tokens": sum(st["tokens"] for st in one_pass_stats.values()),
+                    "seconds": sum(st["seconds"] for st in one_pass_stats.values())}
         fidelity = dict(fidelity or {})
         if plan.capture == "hf":
             for split, samples in rendered.items():
@@ -796,14 +865,17 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
 
             vllm_stats, fidelity["vllm"] = vllm_capture.capture_prep(
                 cfg, model, head, spec, {split: (samples, out / split) for split, samples in rendered.items()},
-                part, probe, client, should_stop)
+                part, probe, client, should_stop, checked=engine_probe)
             captured["tokens"] += sum(st["tokens"] for st in vllm_stats.values())
             captured["seconds"] += sum(st["seconds"] for st in vllm_stats.values())
+        seconds["capture"] = time.perf_counter() - stage_start
         counts["captured_tokens"] += captured["tokens"]
+    seconds["prep"] = time.perf_counter() - run_start
     if writes:
         (out / f"summary.r{part}.json").write_text(dumps(
             {"counts": counts, "loader_skips": loader_skips, "regen": regen_summary,
-             "capture_seconds": captured["seconds"], "fidelity": fidelity, "devices": asdict(devices)},
+             "capture_seconds": captured["seconds"], "fidelity": fidelity, "devices": asdict(devices),
+             "one_pass": one_pass_stats if plan.one_pass else None, "seconds": seconds},
             default=dict))
     _barrier(world)
     summary = finish(cfg, out, spec, head, target_config, tokenizer, parts) if rank == 0 else None
@@ -842,17 +914,26 @@ def attach_target(stack: ExitStack, model, head: TargetHead, tap_layers: list[in
 
 
 def regenerate_splits(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, mine_by_split: dict, out: Path,
-                      part: int, group, client, counts: Counter, should_stop=None) -> tuple[dict, dict]:
+                      part: int, group, client, counts: Counter, should_stop=None,
+                      one_pass=None) -> tuple[dict, dict, dict]:
     """Every split's conversations of this part with the target's own replies: (conversations kept per split,
-    regeneration summary per split); the ones whose first prompt leaves no room are counted in `counts`."""
-    kept, summary = {}, {}
+    regeneration summary per split, one-pass capture stats per split); the ones whose first prompt leaves no room
+    are counted in `counts`. `one_pass(split)` (capture.one_pass): the split's data_prep/vllm_capture.py
+    OnePassCapture, which writes the samples its regeneration's requests cover; it is closed (its last shard
+    written) however the regeneration ends."""
+    kept, summary, captured = {}, {}, {}
     for split, mine in mine_by_split.items():
         mine, too_long = plan_regeneration(cfg, preset, tokenizer, mine)
         counts["regen: first prompt leaves no room for a reply under max_len"] += too_long
         path = _regen_path(out, split, part, group, cfg.seed)
-        kept[split], summary[split] = regenerate_split(cfg, preset, model, tokenizer, mine, path, client,
-                                                       should_stop)
-    return kept, summary
+        sink = one_pass(split) if one_pass is not None else None
+        try:
+            kept[split], summary[split] = regenerate_split(cfg, preset, model, tokenizer, mine, path, client,
+                                                           should_stop, sink)
+        finally:
+            if sink is not None:
+                captured[split] = sink.close()
+    return kept, summary, captured
 
 
 def render_splits(cfg: PrepConfig, preset: TargetPreset, tokenizer, mine_by_split: dict, out: Path, part: int,

@@ -11,6 +11,12 @@ file as its answer arrives (in the order sent), checks that its token ids are th
 joined in tap order, a compact teacher from the prep's target head), writes it with the rank's ShardWriter and
 deletes the file.
 
+One pass (capture.one_pass, with regen.backend=vllm): the regeneration's requests keep the states of their prompt
+and reply (vLLM's `include_output_tokens`), and OnePassCapture writes each regenerated sample from its final
+request's file as the conversation finishes (one_pass_features: the rows no objective reads, from the request's
+last generated token on, are zeros); the probe goes first (check_probe), and the capture stage then prefills only
+the samples not yet recorded: those the states do not cover. capture_passes counts the samples captured each way.
+
 Resume: samples already recorded in a split's partial manifests are not sent again; nothing is sent when every
 sample is recorded. SIGTERM/SIGUSR1 (infra/preemption.py) stop the capture at the next sample, or at once while it
 waits for an answer, also when the signal reached the server too and it exited (SLURM signals every process of the
@@ -26,6 +32,7 @@ teacher with the target's transformers forward. Every captured sample's last pos
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -39,6 +46,7 @@ from data_prep.rendered import Rendered, capture_order
 from data_prep.shards import Sample, ShardSpec, ShardWriter, completed_sample_ids
 from data_prep.vllm_client import VLLMClient
 from infra.preemption import Preempted, StopSignals
+from infra.strict_json import dumps
 from models.target_head import TargetHead
 
 PROBE = "probe:"
@@ -59,12 +67,11 @@ def aux_layer_ids(tap_layers: list[int], num_layers: int) -> tuple[list[int], li
     return ids, [ids.index(i + 1) for i in tap_layers], ids.index(num_layers)
 
 
-def features_from_file(path: Path, input_ids: torch.Tensor, sample_id: str, columns: list[int], teacher: int,
-                       num_ids: int, hidden_size: int, dtype: str | None = None,
-                       where: str = "the vLLM server") -> tuple[torch.Tensor, torch.Tensor]:
-    """(taps [T, n_taps*H] in tap order, teacher hidden [T, H]) from one connector file, after checking that it
-    holds exactly this sample's tokens and the extracted layers' shape, in prep's `dtype` (the connector writes the
-    server's own: a user's server started with another --dtype computes other features)."""
+def read_states(path: Path, sample_id: str, num_ids: int, hidden_size: int, dtype: str | None = None,
+                where: str = "the vLLM server") -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden_states [n, num_ids, H], token_ids [n]) of one connector file, after checking its keys, its shape
+    against the extracted layers and, given `dtype`, prep's dtype (the connector writes the server's own: a user's
+    server started with another --dtype computes other features)."""
     try:
         data = load_file(str(path))
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
@@ -73,10 +80,7 @@ def features_from_file(path: Path, input_ids: torch.Tensor, sample_id: str, colu
     if missing:
         raise VLLMCaptureError(f"{path} (sample {sample_id!r}): no {missing} (not a hidden-states connector file)")
     hs, ids = data["hidden_states"], data["token_ids"]
-    n = len(input_ids)
-    if ids.shape != (n,) or not torch.equal(ids.long(), input_ids.long()):
-        raise VLLMCaptureError(f"{path} (sample {sample_id!r}): its token ids ({tuple(ids.shape)}) are not the "
-                               f"sample's {n} tokens")
+    n = ids.shape[0] if ids.dim() == 1 else -1
     if hs.shape != (n, num_ids, hidden_size):
         raise VLLMCaptureError(f"{path} (sample {sample_id!r}): hidden_states {tuple(hs.shape)}, expected "
                                f"{(n, num_ids, hidden_size)} (tokens, extracted layers, hidden size)")
@@ -84,8 +88,47 @@ def features_from_file(path: Path, input_ids: torch.Tensor, sample_id: str, colu
         raise VLLMCaptureError(f"{where} computes in {str(hs.dtype).removeprefix('torch.')}, prep in {dtype} "
                                f"({path}, sample {sample_id!r}): start it with --dtype {dtype}, or give prep "
                                f"dtype={str(hs.dtype).removeprefix('torch.')}")
+    return hs, ids.long()
+
+
+def features_from_file(path: Path, input_ids: torch.Tensor, sample_id: str, columns: list[int], teacher: int,
+                       num_ids: int, hidden_size: int, dtype: str | None = None,
+                       where: str = "the vLLM server") -> tuple[torch.Tensor, torch.Tensor]:
+    """(taps [T, n_taps*H] in tap order, teacher hidden [T, H]) from one connector file, after checking that it
+    holds exactly this sample's tokens (read_states checks the rest)."""
+    n = len(input_ids)
+    hs, ids = read_states(path, sample_id, num_ids, hidden_size, dtype, where)
+    if ids.shape != (n,) or not torch.equal(ids, input_ids.long()):
+        raise VLLMCaptureError(f"{path} (sample {sample_id!r}): its token ids ({tuple(ids.shape)}) are not the "
+                               f"sample's {n} tokens")
     taps = torch.cat([hs[:, c] for c in columns], dim=-1)
     return taps, hs[:, teacher]
+
+
+def one_pass_features(hs: torch.Tensor, ids: torch.Tensor, rendered: Rendered, columns: list[int],
+                      teacher: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(taps [T, n_taps*H], teacher hidden [T, H]) of a rendered sample from its final regeneration request's states
+    (`hs` [n, ids, H] and `ids` [n]: the prompt and every generated token but the last), or None where they do not
+    cover it: its tokens are not the request's (a template that renders earlier turns otherwise than their
+    prompts did, a reply whose content is not its generated ids), or a loss-masked token lies past position n (the
+    request's last generated token, normally the end of turn).
+
+    The EAGLE-3, EAGLE-1 and DFlash objectives read a position j's taps and teacher only where some later
+    position is loss-masked (train/ttt.py: p_j is a target where loss_mask[j+1]; its inputs are the taps at
+    t < j), so with nothing masked past position n, every row they read is one the request computed. Rows from n
+    on (the end-of-turn token and the template's tail after it, e.g. `<|im_end|>` then `\n`, which the connector
+    does not hold) are zeros; a sample cut by max_len within the request's tokens is covered whole."""
+    n, length = ids.shape[0], len(rendered.input_ids)
+    shared = min(n, length)
+    if not torch.equal(rendered.input_ids[:shared].long(), ids[:shared]):
+        return None
+    if length > n + 1 and bool(rendered.loss_mask[n + 1:].any()):
+        return None
+    taps = torch.zeros(length, len(columns) * hs.shape[-1], dtype=hs.dtype)
+    final = torch.zeros(length, hs.shape[-1], dtype=hs.dtype)
+    taps[:shared] = torch.cat([hs[:shared, c] for c in columns], dim=-1)
+    final[:shared] = hs[:shared, teacher]
+    return taps, final
 
 
 def build_sample(rendered: Rendered, taps: torch.Tensor, final_hidden: torch.Tensor, spec: ShardSpec,
@@ -203,18 +246,11 @@ def head_choice(head: TargetHead, teacher_row: torch.Tensor) -> int:
     return int(head.logits(teacher_row.to(head.lm_head.weight.device)[None]).argmax(-1)[0])
 
 
-def capture_prep(cfg, model, head, spec: ShardSpec, splits: dict[str, tuple[list[Rendered], Path]], part: int,
-                 probe: tuple[torch.Tensor, torch.Tensor], client: VLLMClient,
-                 should_stop: Callable[[], int] | None = None) -> tuple[dict[str, dict], dict]:
-    """Prep's capture stage through vLLM (data_prep/pipeline.py run, capture.engine=vllm): every split of this
-    rank on its servers, the probe batch checked first: the head against vLLM's own top-1 at every position
+def engine_judge(model, head: TargetHead, spec: ShardSpec) -> Callable[..., dict]:
+    """The probe's judge (capture_splits' `check_probe`): the head against vLLM's own top-1 at every position
     (data_prep/fidelity.py check_engine_head), and, where prep loaded the transformers target (`model` not None:
-    vllm.capture_fidelity=hf), every tap against its forward (check_engine_fidelity). Returns (stats per split,
-    the probe's fidelity result or {} when nothing was left)."""
+    vllm.capture_fidelity=hf), every tap against its forward (check_engine_fidelity)."""
     from data_prep.fidelity import check_engine_fidelity, check_engine_head
-
-    ids, mask = probe
-    sequences = [ids[i][mask[i].bool()] for i in range(ids.shape[0])]
 
     def judge(seqs, taps, teachers, engine) -> dict:
         result = check_engine_head(head, seqs, teachers, engine)
@@ -229,6 +265,122 @@ def capture_prep(cfg, model, head, spec: ShardSpec, splits: dict[str, tuple[list
                   f"{result['hf']['argmax_agreement']:.3f}")
         return result
 
-    stats, fidelity = capture_splits(client, spec, head, splits, part, cfg.capture.tokens_per_shard, sequences, judge,
-                                     should_stop)
-    return stats, fidelity or {}
+    return judge
+
+
+def probe_sequences(probe: tuple[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
+    ids, mask = probe
+    return [ids[i][mask[i].bool()] for i in range(ids.shape[0])]
+
+
+def check_probe(model, head: TargetHead, spec: ShardSpec, probe: tuple[torch.Tensor, torch.Tensor],
+                client: VLLMClient) -> dict:
+    """The probe batch alone, captured and judged (engine_judge): what capture.one_pass runs before the
+    regeneration writes any sample."""
+    seqs = probe_sequences(probe)
+    items = [(f"{PROBE}{i}", s) for i, s in enumerate(seqs)]
+    got = list(stream_features(client, spec.tap_layers, spec.target["num_layers"], spec.target["hidden_size"], items,
+                               logprobs=frozenset(k for k, _ in items)))
+    return engine_judge(model, head, spec)(seqs, *map(list, zip(*((t, f, e) for _, t, f, e in got))))
+
+
+def capture_prep(cfg, model, head, spec: ShardSpec, splits: dict[str, tuple[list[Rendered], Path]], part: int,
+                 probe: tuple[torch.Tensor, torch.Tensor], client: VLLMClient,
+                 should_stop: Callable[[], int] | None = None,
+                 checked: dict | None = None) -> tuple[dict[str, dict], dict]:
+    """Prep's capture stage through vLLM (data_prep/pipeline.py run, capture.engine=vllm): every split's samples
+    of this rank not yet recorded on its servers, the probe batch checked first (engine_judge), unless `checked`
+    gives its result already (check_probe, before a one-pass regeneration). Returns (stats per split, the probe's
+    fidelity result or {} when nothing was left)."""
+    stats, fidelity = capture_splits(client, spec, head, splits, part, cfg.capture.tokens_per_shard,
+                                     None if checked is not None else probe_sequences(probe),
+                                     engine_judge(model, head, spec), should_stop)
+    return stats, checked if checked is not None else fidelity or {}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# One pass (capture.one_pass): the features of a regenerated sample from its final regeneration request
+
+WITH_REGENERATION, PREFILL = "with_regeneration", "prefill"  # summary.json's capture_pass
+CAPTURE_PASS_FILE = "capture_pass.r{rank}.jsonl"  # per shard set: the shards written from regeneration requests
+
+
+class OnePassCapture:
+    """`on_finished` of a split's regeneration (data_prep/regenerate.py) with capture.one_pass: each finished
+    conversation rendered (`render`: its sample, or None where rendering drops it), its features taken from the
+    states its final request kept (one_pass_features), the sample written by the split's ShardWriter for this rank.
+    A sample they do not cover is left to the prefill capture that follows (capture_splits: it captures every
+    sample not yet recorded). The shards it records are listed in `<split>/capture_pass.r{rank}.jsonl`
+    (capture_passes counts from it), each after its manifest records it. `close()` writes the last shard: call it
+    however the regeneration ended, so nothing written is lost.
+
+    Stats: samples, tokens, seconds (reading the files and writing the shards), not_covered (left to the prefill),
+    and next-token agreement: at temperature 0 (`greedy`), whether the prep's head on the teacher of the request's
+    last computed position gives the token vLLM generated next."""
+
+    def __init__(self, client: VLLMClient, spec: ShardSpec, head: TargetHead, root: Path, rank: int,
+                 tokens_per_shard: int, render: Callable[[object], Rendered | None], greedy: bool):
+        ids, self.columns, self.teacher = aux_layer_ids(spec.tap_layers, spec.target["num_layers"])
+        if list(client.spec.layer_ids) != ids:
+            raise ValueError(f"the servers extract aux layers {client.spec.layer_ids}, the capture needs {ids}")
+        self.num_ids, self.client, self.spec, self.head = len(ids), client, spec, head
+        self.render, self.greedy = render, greedy
+        self.writer = ShardWriter(root, spec, rank=rank, tokens_per_shard=tokens_per_shard)
+        self.done = completed_sample_ids(root)
+        self.listing = Path(root) / CAPTURE_PASS_FILE.format(rank=rank)
+        self.recorded = len(self.writer.manifest.shards)
+        self.stats = {"samples": 0, "tokens": 0, "seconds": 0.0, "not_covered": 0, "agreed": 0, "checked": 0}
+
+    def __call__(self, conversation, states) -> None:
+        if states is None:  # the backend kept none (a reply whose states went with an earlier turn's request)
+            return
+        start = time.perf_counter()
+        rendered = self.render(conversation)
+        if rendered is None or rendered.conversation_id in self.done:
+            return
+        hs, ids = read_states(states.path, rendered.conversation_id, self.num_ids, self.spec.target["hidden_size"],
+                              self.client.spec.dtype, self.client.where)
+        got = one_pass_features(hs, ids, rendered, self.columns, self.teacher)
+        if got is None:
+            self.stats["not_covered"] += 1
+            return
+        taps, final = got
+        self.writer.add(build_sample(rendered, taps, final, self.spec, self.head))
+        self.done.add(rendered.conversation_id)
+        self._list_recorded()
+        self.stats["samples"] += 1
+        self.stats["tokens"] += len(rendered.input_ids)
+        n = ids.shape[0]
+        if self.greedy and n <= len(rendered.input_ids):
+            self.stats["checked"] += 1
+            self.stats["agreed"] += int(head_choice(self.head, final[n - 1]) == states.last_token)
+        self.stats["seconds"] += time.perf_counter() - start
+
+    def _list_recorded(self) -> None:
+        shards = self.writer.manifest.shards
+        if len(shards) > self.recorded:
+            with open(self.listing, "a") as f:
+                for shard in shards[self.recorded:]:
+                    f.write(dumps({"shard": shard.file, "samples": len(shard.sample_ids),
+                                   "capture_pass": WITH_REGENERATION}) + "\n")
+            self.recorded = len(shards)
+
+    def close(self) -> dict:
+        """The last shard written and listed; returns the stats."""
+        self.writer.close()
+        self._list_recorded()
+        self.stats["bytes_written"] = self.writer.bytes_written
+        return self.stats
+
+
+def capture_passes(root: Path, shards: list) -> dict[str, int]:
+    """How the samples of a shard set (`shards`: its merged manifest's) were captured: {with_regeneration, prefill}
+    (the shards OnePassCapture listed; the rest by the prefill capture)."""
+    recorded = {s.file: len(s.sample_ids) for s in shards}
+    listed: set[str] = set()
+    for path in Path(root).glob(CAPTURE_PASS_FILE.format(rank="*")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                listed.add(json.loads(line)["shard"])
+    one = sum(n for f, n in recorded.items() if f in listed)
+    return {WITH_REGENERATION: one, PREFILL: sum(recorded.values()) - one}
