@@ -153,19 +153,30 @@ def _samples(prep: Path, split: str) -> dict:
     return {s.sample_id: s for s in ShardSet(prep / split)}
 
 
-def _assert_same_shards(ours_dir: Path, ref_dir: Path, teacher: str) -> None:
+def _assert_same_shards(ours_dir: Path, ref_dir: Path, teacher: str, one_pass: bool = False) -> None:
+    """`one_pass`: ours made by capture.one_pass, in regeneration order, its rows from the final request's last
+    generated token on zeros (no objective reads them: nothing after them is loss-masked); the rows before, equal."""
     for split in ("train", "eval"):
         ours, ref = _samples(ours_dir, split), _samples(ref_dir, split)
-        assert list(ours) == list(ref)  # the same samples in the same (capture) order
+        if one_pass:
+            assert sorted(ours) == sorted(ref)
+        else:
+            assert list(ours) == list(ref)  # the same samples in the same (capture) order
         for sid, r in ref.items():
             o = ours[sid]
             assert torch.equal(o.input_ids, r.input_ids) and torch.equal(o.loss_mask, r.loss_mask)
+            z = len(o)
+            if one_pass:
+                while z > 0 and not o.taps[z - 1].any():
+                    z -= 1
+                assert z < len(o) and not o.loss_mask[z + 1:].any(), (sid, z)
             # fp32 forwards of one sample (here) and of a padded batch (HF capture), stored bf16: a rounding apart
-            torch.testing.assert_close(o.taps.float(), r.taps.float(), atol=0, rtol=2 ** -7)
+            torch.testing.assert_close(o.taps[:z].float(), r.taps[:z].float(), atol=0, rtol=2 ** -7)
             if teacher == "hidden":
-                torch.testing.assert_close(o.teacher_hidden.float(), r.teacher_hidden.float(), atol=0, rtol=2 ** -7)
+                torch.testing.assert_close(o.teacher_hidden[:z].float(), r.teacher_hidden[:z].float(), atol=0,
+                                           rtol=2 ** -7)
             else:
-                assert torch.equal(o.teacher_topk_ids[:, 0], r.teacher_topk_ids[:, 0])
+                assert torch.equal(o.teacher_topk_ids[:z, 0], r.teacher_topk_ids[:z, 0])
 
 
 def test_vllm_engine_prep_writes_the_hf_capture_and_resumes(tmp_path: Path, tiny_target_dir: Path,
@@ -270,8 +281,9 @@ def _replies(prep: Path) -> dict[str, list]:
 def test_one_vllm_engine_regenerates_then_captures(tmp_path: Path, tiny_target_dir: Path, tiny_sharegpt_file: Path,
                                                    monkeypatch, capture_engine: str) -> None:
     """regen.backend=vllm: prep's engine regenerates (the prompts rendered and the replies decoded by prep, as the
-    hf backend does), and with capture.engine=vllm the same engine, started once, then captures; the replies and
-    shards are the hf backend's and the HF capture's (batch 1 greedy on both sides: no padding)."""
+    hf backend does), and with capture.engine=vllm the same engine, started once, then captures (two passes:
+    capture.one_pass=false; one pass is tests/test_prep_one_pass.py); the replies and shards are the hf backend's
+    and the HF capture's (batch 1 greedy on both sides: no padding)."""
     import data_prep.pipeline as pipeline
 
     common = {"num_samples": 6, "eval_samples": 2, "regen.max_new_tokens": 12, "regen.batch_size": 1,
@@ -284,7 +296,8 @@ def test_one_vllm_engine_regenerates_then_captures(tmp_path: Path, tiny_target_d
     monkeypatch.setattr(pipeline, "load_target", lambda *a, **k: loads.append(1) or real_load(*a, **k))
     out = tmp_path / "vllm"
     summary = run_prep(out, str(tiny_target_dir), str(tiny_sharegpt_file), **common,
-                       **{"regen.backend": "vllm", "capture.engine": capture_engine, "vllm.python": standin(tmp_path)})
+                       **{"regen.backend": "vllm", "capture.engine": capture_engine, "vllm.python": standin(tmp_path),
+                          "capture.one_pass": False})
     lines = log.read_text().splitlines()
     servers = [json.loads(line.split(" ", 1)[1]) for line in lines if line.startswith("server ")]
     generates = [i for i, line in enumerate(lines) if line == "generate"]
@@ -301,6 +314,8 @@ def test_one_vllm_engine_regenerates_then_captures(tmp_path: Path, tiny_target_d
 
     assert _replies(out) == _replies(tmp_path / "hf") and regen_counts(summary) == regen_counts(hf)
     assert summary["samples"] == hf["samples"] and summary["tokens"] == hf["tokens"]
+    assert summary["capture_pass"] == {split: {"with_regeneration": 0, "prefill": n}
+                                       for split, n in hf["samples"].items()}
     _assert_same_shards(out, tmp_path / "hf", "hidden")
     assert (out / "vllm.r0.log").exists()
 
@@ -389,6 +404,38 @@ def test_real_vllm_prep_regenerates_and_captures_on_one_engine(tmp_path: Path, m
     same = sum(ours[c] == ref[c] for c in ref if c in ours)
     print(f"replies identical to the hf backend's: {same}/{len(ref)}")
     assert set(ours) == set(ref) and same >= len(ref) - 1  # fp32 greedy: a near-tie may differ in one
+
+
+# One pass against two on the real engine (fp32): the states vLLM computed while decoding against a prefill of the
+# same tokens, per tensor over the rows an objective reads (bench/one_pass_capture.py's measure).
+ONE_PASS_REL_TOL = 1e-4
+
+
+@needs_vllm
+def test_real_vllm_one_pass_matches_two_passes(tmp_path: Path) -> None:
+    """capture.one_pass on the real engine: vLLM's connector with `include_output_tokens` saves the prompt's and the
+    reply's states, the samples come from them with no prefill, the replies are the two-pass prep's and the features
+    a prefill's within ONE_PASS_REL_TOL."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_one_pass", ROOT / "bench" / "one_pass_capture.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    common = {"num_samples": 6, "eval_samples": 2, "max_len": 384, "dtype": "float32", "draft_vocab_count": "train",
+              "regen.max_new_tokens": 48, "regen.backend": "vllm", "capture.engine": "vllm",
+              "vllm.python": VLLM_PYTHON, "vllm.engine_kwargs": {"enforce_eager": True}}
+    run_prep(tmp_path / "two", "smollm2-135m-instruct", "sharegpt-embedded", **common, **{"capture.one_pass": False})
+    one = run_prep(tmp_path / "one", "smollm2-135m-instruct", "sharegpt-embedded", **common)
+    result, _ = bench.compare(tmp_path / "one", tmp_path / "two")
+    print(json.dumps({k: result[k] for k in ("wall_s", "capture_pass", "one_pass", "replies", "features")}, indent=1))
+    for split, n in one["samples"].items():
+        assert one["capture_pass"][split]["with_regeneration"] + one["capture_pass"][split]["prefill"] == n > 0
+    assert sum(c["with_regeneration"] for c in one["capture_pass"].values()) >= sum(one["samples"].values()) - 1
+    assert result["replies"]["identical"] >= result["replies"]["conversations"] - 1  # a near-tie may differ in one
+    assert result["features"]["samples_compared"] >= sum(one["samples"].values()) - 1
+    for name, d in result["features"]["rel_diff"].items():
+        assert d["max"] <= ONE_PASS_REL_TOL, (name, d)
+    assert one["one_pass"]["next_token_agreement"] >= ARGMAX_AGREEMENT
 
 
 @needs_vllm
@@ -502,7 +549,7 @@ def test_prep_on_the_users_servers(tmp_path: Path, tiny_target_dir: Path, tiny_s
                  **{"regen.backend": "vllm", "capture.engine": "vllm", "vllm.urls": [server.url]})
     assert sum(line.startswith("server ") for line in log.read_text().splitlines()) == 1  # the user's, only
     assert _replies(out) == _replies(tmp_path / "hf")
-    _assert_same_shards(out, tmp_path / "hf", "hidden")
+    _assert_same_shards(out, tmp_path / "hf", "hidden", one_pass=True)  # the user's server keeps the states too
     assert not (out / "vllm.r0.log").exists()  # prep started no server
 
 
@@ -650,8 +697,10 @@ def test_a_step_wide_signal_stops_prep_cleanly_and_the_rerun_is_equal(tmp_path: 
     hf = run_prep(tmp_path / "hf", str(tiny_target_dir), str(tiny_sharegpt_file), **common)
     log = tmp_path / "standin.log"
     scratch = tmp_path / "scratch"
+    # the capture stage's prefills: two passes; a stop mid-regeneration: one pass, its samples written as it goes
+    one_pass = stage == "regeneration"
     cfg = {**common, "regen.backend": "vllm", "capture.engine": "vllm", "vllm.python": standin(tmp_path),
-           "vllm.max_in_flight": 2, "vllm.scratch_dir": str(scratch)}
+           "vllm.max_in_flight": 2, "vllm.scratch_dir": str(scratch), "capture.one_pass": one_pass}
     out = tmp_path / "vllm"
     proc = _prep_process(out, tiny_target_dir, tiny_sharegpt_file, {"STANDIN_LOG": str(log), "STANDIN_SLOW_S": "0.4"},
                          **cfg)
@@ -665,7 +714,7 @@ def test_a_step_wide_signal_stops_prep_cleanly_and_the_rerun_is_equal(tmp_path: 
     summary = run_prep(out, str(tiny_target_dir), str(tiny_sharegpt_file), **cfg)
     assert _replies(out) == _replies(tmp_path / "hf")
     assert summary["samples"] == hf["samples"] and summary["tokens"] == hf["tokens"]
-    _assert_same_shards(out, tmp_path / "hf", "hidden")  # every sample once
+    _assert_same_shards(out, tmp_path / "hf", "hidden", one_pass)  # every sample once
 
 
 @pytest.mark.integration

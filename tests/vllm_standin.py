@@ -7,7 +7,9 @@ states written as the hidden-states connector writes them: `hidden_states` [T, n
 ascending (id k = the output of decoder layer k-1, id num_layers before the final norm), `token_ids` [T], at the
 request's `kv_transfer_params.hidden_states_path` when the connector's `allow_custom_save_path` is on (else
 `<shared_storage_path>/<request id>.safetensors`), beside a `.lock` file, the path returned in the answer's
-`kv_transfer_params` as vLLM does. Like vLLM it starts a child process of its own (vLLM's engine core), which must
+`kv_transfer_params` as vLLM does. With `kv_transfer_params.include_output_tokens` the file holds, as vLLM's
+connector saves it, every token fed through the model: the prompt and the generated tokens but the last (their
+states from one forward over those tokens). Like vLLM it starts a child process of its own (vLLM's engine core), which must
 go down with it. It lets `make test` run prep's side (the servers' start, devices and environment, requests,
 reading, checks, shards, resume, stops) without vLLM; the real server is tests/test_prep_capture_vllm.py's opt-in
 test.
@@ -16,7 +18,8 @@ Environment: STANDIN_VERSION (what --check reports, default the version needed),
 `server {json}` per server started: pid, child pid, port, devices, environment; `generate` / `capture probe` /
 `capture sample` per request), STANDIN_FAIL_AT_START=<reason> (log `ValueError: <reason>` and exit 1 before serving,
 as vLLM refusing its settings), STANDIN_HANG=1 (accept completions and never answer), STANDIN_FAIL_AFTER=n (exit 3
-when asked for capture n+1, after n captures: a crash mid-capture), STANDIN_SLOW_S (seconds added to each request),
+when asked for capture n+1, after n captures: a crash mid-capture), STANDIN_FAIL_AFTER_GENERATE=n (the same at
+generate request n+1: a crash mid-regeneration), STANDIN_SLOW_S (seconds added to each request),
 STANDIN_BAD_TOKENS=1 (the wrong token ids in every file), STANDIN_OTHER_HEAD=1 (next-token choices that are not the
 target head's), STANDIN_TORN=1 (every completion's answer cut short: fewer bytes than its Content-Length),
 STANDIN_DEVICES=n (the CUDA devices --check reports), STANDIN_FAIL_DEVICES=<ids> (the server given those
@@ -84,6 +87,14 @@ class Model:
         self.requests = itertools.count()
         self.prompt_tokens = self.generation_tokens = 0
         self.captures = itertools.count(1)
+        self.generates = itertools.count(1)
+
+    def states(self, out):
+        """[T, n_ids, H] for vLLM's aux layer ids of a forward's output (id num_layers: the final norm's input)."""
+        hs = out.hidden_states
+        layers = self.model.config.num_hidden_layers
+        return self.torch.stack([hs[k][0] if k < layers else self.seen["norm_in"][0] for k in self.layer_ids],
+                                dim=1).contiguous()
 
     def complete(self, body: dict) -> dict:
         torch = self.torch
@@ -99,6 +110,8 @@ class Model:
                 os._exit(3)
         else:
             log("generate")
+            if next(self.generates) == int(os.environ.get("STANDIN_FAIL_AFTER_GENERATE", -2)) + 1:
+                os._exit(3)
             if os.environ.get("STANDIN_FAIL_DEVICES") and os.environ.get("CUDA_VISIBLE_DEVICES") == os.environ[
                     "STANDIN_FAIL_DEVICES"]:
                 print("RuntimeError: CUDA error: an illegal memory access was encountered", flush=True)
@@ -118,10 +131,7 @@ class Model:
             top = logp.max(-1)
             states = None
             if self.layer_ids:
-                hs = out.hidden_states
-                layers = self.model.config.num_hidden_layers
-                states = torch.stack([hs[k][0] if k < layers else self.seen["norm_in"][0] for k in self.layer_ids],
-                                     dim=1).contiguous()
+                states = self.states(out)
             if capture:
                 new, reason = [int(top.indices[-1])], "length"
             else:
@@ -132,6 +142,10 @@ class Model:
                 new = gen[0, len(prompt):].tolist()
                 end = next((j for j, t in enumerate(new) if t in stop), None)
                 new, reason = (new, "length") if end is None else (new[: end + 1], "stop")
+            if self.layer_ids and params.get("include_output_tokens") and len(new) > 1:
+                # what vLLM's connector saves then: all_token_ids[:-1], the last sampled token never fed
+                ids = torch.tensor([prompt + new[:-1]])
+                states = self.states(self.model(input_ids=ids, output_hidden_states=True))
         self.generation_tokens += len(new)
         answer_params = None
         if states is not None:
