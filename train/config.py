@@ -16,6 +16,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from data_prep.config import VLLMConfig
 from infra.config_keys import ConfigError, check_keys
 from models.dflash import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS
 
@@ -23,7 +24,7 @@ PRECISIONS = ("auto", "bf16", "fp32")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 WANDB_MODES = ("offline", "online", "disabled")
 OVERFLOW = ("truncate", "split")
-SOURCES = ("offline", "online", "hybrid")  # data.source: train/online.py
+SOURCES = ("offline", "online", "hybrid", "vllm")  # data.source: train/online.py, train/served.py
 PLACEMENTS = ("replicate", "zero3", "tp")  # data.target_placement
 LOSS_TOKENS = ("assistant", "all")  # data.loss_tokens
 SCHEDULES = ("cosine", "wsd")
@@ -103,8 +104,12 @@ class DataConfig:
     # Where the target features come from (train/online.py). offline: the prep's shards. online: the frozen target
     # runs inside training on the prep's rendered samples (<prep>/rendered/, written before its capture; no shard
     # is read or written). hybrid: online in the first epoch, which writes the shards as prep does
-    # (<out_dir>/captured/train/), read by the later epochs.
+    # (<out_dir>/captured/train/), read by the later epochs. vllm: vLLM servers compute them (train/served.py:
+    # the `vllm` group's servers, started by training or the user's vllm.urls); nothing is written.
     source: str = "offline"
+    # data.source=vllm without vllm.urls: the servers training starts on each node, each on vllm.tensor_parallel_size
+    # x pipeline_parallel_size devices after the node's training ranks' (or on the CPU)
+    vllm_servers_per_node: int = 1
     # online|hybrid: the target to run; None = the one the prep loaded (<prep>/rendered/spec.json). Another copy
     # (a path on this machine) must match the prep: architecture, geometry, tokenizer and chat template.
     target: str | None = None
@@ -233,6 +238,9 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    # data.source=vllm: the servers that compute the features, prep's `vllm` keys with prep's meanings
+    # (data_prep/config.py VLLMConfig; capture_fidelity is prep's alone)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
     @classmethod
     def from_omegaconf(cls, raw: DictConfig) -> RunConfig:
@@ -325,6 +333,13 @@ class RunConfig:
         if d.source == "hybrid" and ds.sequence_parallel_size > 1:
             raise ConfigError("data.source=hybrid with deepspeed.sequence_parallel_size > 1 is not supported: the ranks of "
                               "a sequence-parallel group read the same samples and would write the same shards")
+        if d.source == "vllm":
+            self.vllm.servers()  # ConfigError naming an entry of vllm.urls that is not a server's address
+            if d.vllm_servers_per_node < 1:
+                raise ConfigError(f"data.vllm_servers_per_node must be >= 1, got {d.vllm_servers_per_node}")
+            for key in ("timeout_s", "max_in_flight", "scratch_gb", "tensor_parallel_size", "pipeline_parallel_size"):
+                if not getattr(self.vllm, key) > 0:
+                    raise ConfigError(f"vllm.{key} must be > 0, got {getattr(self.vllm, key)}")
         if d.hybrid_tokens_per_shard < 1:
             raise ConfigError(f"data.hybrid_tokens_per_shard must be >= 1, got {d.hybrid_tokens_per_shard}")
 

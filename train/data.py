@@ -280,6 +280,8 @@ class ShardBatches:
         source = self.shards
         if hasattr(source, "for_epoch"):  # hybrid: the shard set once epoch 0 has written it (collective)
             source = source.for_epoch(epoch, sorted({i for i, _ in self.items}))
+        if hasattr(source, "plan"):  # a source that asks servers (data.source=vllm) sends its requests ahead
+            source.plan([[self.items[i][0] for i, _, _ in rows] for rows in plan])
         loader = DataLoader(
             _Indexed(source, self.items, self.cfg.max_len, self.cfg.split_overlap, self.all_tokens),
             batch_sampler=plan,

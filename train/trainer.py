@@ -21,6 +21,8 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -230,11 +232,14 @@ def micro_step(
 
 
 def evaluate(
-    engine: Engine, module, head, data: ShardBatches, objective: Objective, sp: SequenceParallel | None = None
+    engine: Engine, module, head, data: ShardBatches, objective: Objective, sp: SequenceParallel | None = None,
+    live: bool = False,
 ) -> dict:
-    """Held-out metrics over the whole eval subset, every rank on its part, counts all-reduced."""
+    """Held-out metrics over the whole eval subset, every rank on its part, counts all-reduced. live: a source
+    whose wait may end in a stop signal (next_batch); Preempted then leaves it on every rank at the same batch."""
     shard = (sp or SequenceParallel()).shard
-    batches = (shard(b).to(engine.device, engine.dtype) for b in data.epoch(0, shuffle=False))
+    batches = (shard(b).to(engine.device, engine.dtype) for b in agreed_batches(data.epoch(0, shuffle=False), live,
+                                                                                engine.device))
     sums = objective.eval_sums(module, head, batches)
     return objective.summarize({k: _all_reduce(v.to(engine.device)).cpu() for k, v in sums.items()})
 
@@ -293,12 +298,19 @@ def export(engine: Engine, module, out: Path, method: str, target: dict | None =
     dist.barrier()
 
 
-def sample_sources(cfg: RunConfig, run_dir: Path, data_rank: int, data_world: int):
+def sample_sources(cfg: RunConfig, run_dir: Path, data_rank: int, data_world: int, resources: ExitStack,
+                   signals: StopSignals):
     """(train, held-out or None) of data.source: the prep's shard sets (offline), or its rendered samples through
-    the frozen target (online, hybrid: train/online.py), every file and the target checked before training."""
+    the frozen target (online, hybrid: train/online.py) or vLLM's servers (vllm: train/served.py, which enters
+    the servers and connections into `resources`), every file and the target checked before training."""
     prep = Path(cfg.data.dir)
     if cfg.data.source == "offline":
         return prep / "train", held_out_split(prep)  # held_out_split names an unfinished prep as such
+    if cfg.data.source == "vllm":
+        from train.served import served_sources
+
+        return served_sources(cfg, run_dir, dist.get_rank(), dist.get_world_size(), resources,
+                              lambda: signals.received)
     from train.engine import device, partition_frozen
     from train.online import sample_sources as online_sources
 
@@ -316,14 +328,17 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
     cfg.validate(world)
     lock = claim_run_dir(cfg, Path(run_dir), rank, world)  # before anything is read or written
     try:
-        with StopSignals("training") as signals:  # SIGTERM/SIGUSR1: checkpoint and exit (infra/preemption.py)
-            return _train(cfg, Path(run_dir), rank, world, t0, signals)
+        # SIGTERM/SIGUSR1: checkpoint and exit (infra/preemption.py); `resources`: what the data source holds open
+        # (data.source=vllm: its servers), closed however the run ends
+        with StopSignals("training") as signals, ExitStack() as resources:
+            return _train(cfg, Path(run_dir), rank, world, t0, signals, resources)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, signals: StopSignals) -> dict:
+def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, signals: StopSignals,
+           resources: ExitStack) -> dict:
     sp = SequenceParallel.from_config(cfg)  # collective: every rank creates every group
     data_rank, data_world = sp.data_parallel(rank, world)
     t, prep = cfg.train, Path(cfg.data.dir)
@@ -334,7 +349,7 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, sign
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    train_data, eval_data = open_data(cfg, run_dir, rank, data_rank, data_world)
+    train_data, eval_data = open_data(cfg, run_dir, rank, data_rank, data_world, resources, signals)
     steps_total = total_steps(cfg, train_data.batches_per_epoch)
     if rank == 0 and t.warmup(steps_total) >= steps_total:  # the lr never leaves its warmup ramp
         log.warning("the lr warmup (%d optimizer steps) is not shorter than the run (%d steps): the lr never reaches "
@@ -363,8 +378,20 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, sign
     if eval_data is not None and t.eval_interval and step == 0:
         logger.log("eval", 0, evaluate(engine, module, head, eval_data, objective, sp))  # the untrained baseline
     engine.train()
+    # a live source's wait may end in a stop signal (its server signalled with it): every rank stops at that batch
+    live = cfg.data.source == "vllm"
+    at_step, feature_wait, loop_start = dataclasses.replace(cursor), 0.0, time.perf_counter()
     while not stop and step < steps_total and (t.stop_after_steps is None or step < t.stop_after_steps):
-        for batch in train_data.epoch(cursor.epoch, cursor.batch):
+        batches = train_data.epoch(cursor.epoch, cursor.batch)
+        while True:
+            waited = time.perf_counter()
+            batch, cut = next_batch(batches, live, engine.device)
+            feature_wait += time.perf_counter() - waited
+            if cut:  # back to the last optimizer step: the micro-batches after it are trained again on resume
+                stop, cursor = cut, at_step
+                break
+            if batch is None:
+                break
             objective.start_batch(cursor.epoch, cursor.batch)
             cursor.batch += 1
             if cursor.batch == train_data.batches_per_epoch:
@@ -376,6 +403,7 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, sign
             if not engine.step():
                 continue
             step += 1
+            at_step = dataclasses.replace(cursor)
             metrics = window.metrics()
             tokens_total += metrics["tokens"]
             if step % t.log_interval == 0 or step == steps_total:
@@ -383,20 +411,26 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, sign
                                            "epoch": cursor.epoch + cursor.batch / train_data.batches_per_epoch,
                                            **memory_stats()})
             logger.advance()
+            aside = time.perf_counter()  # evals and saves are not training steps: out of the loop's time
             if eval_data is not None and t.eval_interval and step % t.eval_interval == 0:
-                eval_metrics = evaluate(engine, module, head, eval_data, objective, sp)
-                logger.log("eval", step, eval_metrics)
+                try:
+                    eval_metrics = evaluate(engine, module, head, eval_data, objective, sp, live)
+                    logger.log("eval", step, eval_metrics)
+                    last_eval = step
+                except Preempted as e:  # its servers went with a stop signal: the step is done, saved below
+                    stop = e.signum
                 engine.train()
-                last_eval = step
             if t.save_interval and step % t.save_interval == 0:
                 save_checkpoint(engine, module, run_dir, step, cursor, cfg, steps_total, extensions)
                 last_saved = step
+            loop_start += time.perf_counter() - aside
             # A stop signal seen by any rank stops every rank here, after the same step (one int all-reduced)
-            stop = signals.agreed(engine.device)
+            stop = stop or signals.agreed(engine.device)
             window.reset()  # after eval/save, so tokens/s measures training only
             if stop or step >= steps_total or (t.stop_after_steps is not None and step >= t.stop_after_steps):
                 break
 
+    loop_s = time.perf_counter() - loop_start
     finished = step >= steps_total
     preempted = stop if not finished else 0  # a signal after the last step changes nothing
     train_data.close()  # hybrid: its buffered samples into shards
@@ -408,7 +442,7 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, sign
     if finished and t.export:
         export(engine, module, run_dir / "export", cfg.model.method, prep_target(cfg.data.dir))
     summary = run_summary(cfg, engine, sp, train_data, cursor, step, steps_total, preempted, extensions,
-                          eval_metrics, world, t0, tokens_total)
+                          eval_metrics, world, t0, tokens_total, (feature_wait, loop_s))
     if rank == 0:
         logger.log("summary", step, summary)
         (run_dir / RUN_SUMMARY).write_text(_json(summary))
@@ -422,9 +456,10 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, sign
     return summary if rank == 0 else {}
 
 
-def open_data(cfg: RunConfig, run_dir: Path, rank: int, data_rank: int, data_world: int):
+def open_data(cfg: RunConfig, run_dir: Path, rank: int, data_rank: int, data_world: int, resources: ExitStack,
+              signals: StopSignals):
     """(the training batches, the held-out batches or None) of this data-parallel rank."""
-    train_source, eval_source = sample_sources(cfg, run_dir, data_rank, data_world)
+    train_source, eval_source = sample_sources(cfg, run_dir, data_rank, data_world, resources, signals)
     train_data = ShardBatches(train_source, cfg.data, cfg.data.batch_size, data_rank, data_world,
                               seed=cfg.train.seed, subset=cfg.data.train_samples,
                               all_tokens=cfg.data.loss_tokens == "all")
@@ -452,10 +487,39 @@ def load_resumed(cfg: RunConfig, latest: Path | None, steps_total: int, run_dir:
     return ckpt
 
 
+def next_batch(batches: Iterator, live: bool, device) -> tuple[object | None, int]:
+    """(the next batch or None at the epoch's end, 0) or (None, the signal) when a stop signal ended the wait for it
+    (Preempted from a live source). live: COLLECTIVE, the signal agreed by every rank (one int all-reduced), so
+    that all stop at the same batch even where some had theirs already."""
+    try:
+        batch, cut = next(batches, None), 0
+    except Preempted as e:
+        batch, cut = None, e.signum
+    if live and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([cut], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        cut = int(flag.item())
+    return (None, cut) if cut else (batch, 0)
+
+
+def agreed_batches(batches: Iterator, live: bool, device) -> Iterator:
+    """`batches` through next_batch: Preempted on every rank at the same batch when a stop signal ended a wait."""
+    while True:
+        batch, cut = next_batch(batches, live, device)
+        if cut:
+            raise Preempted(cut)
+        if batch is None:
+            return
+        yield batch
+
+
 def run_summary(cfg: RunConfig, engine, sp, train_data, cursor: Cursor, step: int, steps_total: int, preempted: int,
-                extensions: list[dict], eval_metrics: dict | None, world: int, t0: float, tokens_total: int) -> dict:
-    """What the run's summary.json says of it."""
+                extensions: list[dict], eval_metrics: dict | None, world: int, t0: float, tokens_total: int,
+                waits: tuple[float, float]) -> dict:
+    """What the run's summary.json says of it; `waits`: (seconds the training loop waited for its batches, the
+    loop's seconds, evals and saves left out) on rank 0."""
     t = cfg.train
+    feature_wait, loop_s = waits
     return {
         "finished": step >= steps_total,
         "preempted": signal_name(preempted),  # stopped by this signal at `steps`, resumable (exit status 75)
@@ -473,7 +537,10 @@ def run_summary(cfg: RunConfig, engine, sp, train_data, cursor: Cursor, step: in
         "eval": eval_metrics,
         "wall_s": time.perf_counter() - t0,
         "tokens": tokens_total,
-        "data": train_data.stats(),  # online: the target forward's time; bytes written
+        # online: the target forward's time; vllm: the requests; bytes written. feature_wait_s: the training loop's
+        # time waiting for its next batch (reading shards, the target's forward, vLLM's answers), its share of the loop
+        "data": {**train_data.stats(), "feature_wait_s": feature_wait,
+                 "feature_wait_share": feature_wait / loop_s if loop_s > 0 else None},
         **memory_stats(),
     }
 
