@@ -33,7 +33,7 @@ DEMO_TRAIN_ARGS ?= train.eval_interval=0
 DEMO_EVAL_ARGS ?= decode.mode=tree decode.temperature=0 decode.num_prompts=2 decode.max_new_tokens=128 \
 	decode.auto_total_tokens=true threads=2
 
-.PHONY: setup prep train plan export eval demo demo-vllm-venv test test-fast lint engine-check regen-check capture-check bench-eval bench-decode bench-suites bench-peer bench-step-peer specforge-venv clean gpu-check gpu-wheels
+.PHONY: setup prep train plan export eval demo demo-vllm-venv test test-fast lint engine-check regen-check capture-check train-vllm-check bench-eval bench-decode bench-suites bench-peer bench-step-peer specforge-venv clean gpu-check gpu-wheels
 
 setup: $(STAMP)
 $(STAMP): pyproject.toml
@@ -106,6 +106,12 @@ regen-check: setup $(VLLM_VENV)/bin/python
 capture-check: setup $(VLLM_VENV)/bin/python
 	DRAFTERS_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/pytest -q -s -rs tests/test_prep_capture_vllm.py \
 		-k real_vllm
+
+# Opt-in: training fed live by a real vLLM server (data.source=vllm, CPU build, its own venv) on the embedded target
+# in fp32: 2 ranks equal to the offline run on a prep vLLM captured, kill -9 of training leaves no vLLM process, the
+# resume equal (tests/test_train_served_vllm.py, ~15 min). Not part of `make test`.
+train-vllm-check: setup $(VLLM_VENV)/bin/python
+	DRAFTERS_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/pytest -q -s -rs tests/test_train_served_vllm.py
 
 # Speculative decoding (tree, chain; T=0, T=1) vs plain decoding and HF prompt lookup, one process, same
 # prompts: ~10-15 min on 2 CPU cores. Writes bench/results/spec_decode_speed.{json,png}.

@@ -5,7 +5,8 @@
     make plan MODEL=gpt-oss-120b ARGS="world_size=8 device_memory_gb=80"
 
 Its own keys: model (the target: a preset of conf/targets/, a directory with config.json, or a hub id; no
-weights are read), context (tokens per sample; default data.max_len), world_size (default 1), device (cuda |
+weights are read), context (tokens per sample; default data.max_len), world_size (training ranks, default 1),
+nodes (default 1: with data.source=vllm, the layout of each node's devices: training ranks, then servers), device (cuda |
 cpu; default cuda), device_memory_gb (then: fits or not, and the longest context that fits), drafter (the
 conf/model/ group: eagle3 | eagle1) and json (a path: the plan as JSON too). Everything else is a training override, exactly as launch/train.py takes it
 (conf/train.yaml, +exp=..., deepspeed=zero2, train.checkpoint_layer=true, data.source=online ...), checked by
@@ -18,7 +19,7 @@ from infra.strict_json import dumps
 import sys
 from pathlib import Path
 
-PLAN_KEYS = ("model", "context", "world_size", "device", "device_memory_gb", "drafter", "json")
+PLAN_KEYS = ("model", "context", "world_size", "nodes", "device", "device_memory_gb", "drafter", "json")
 
 
 def parse(argv: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -77,11 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     own, overrides = parse(sys.argv[1:] if argv is None else argv)
     try:
         world = positive(own, "world_size", int) or 1
+        nodes = positive(own, "nodes", int) or 1
         context = positive(own, "context", int)
         memory = positive(own, "device_memory_gb", float)
         cfg = run_config(overrides, own.get("drafter")).validate(world_size=world)
         p = plan_run(cfg, own.get("model", "smollm2-135m-instruct"), world_size=world, context=context,
-                     device_memory_gb=memory, device=own.get("device", "cuda"))
+                     device_memory_gb=memory, device=own.get("device", "cuda"), nodes=nodes)
     except (ConfigError, PlanError, ValueError) as e:  # ValueError: a number that is not one
         print(f"plan error: {e}", file=sys.stderr)
         return 2  # the user-error status of every launcher (launch/errors.py)

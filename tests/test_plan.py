@@ -4,6 +4,7 @@ ZeRO-3 partitioning, the longest context that fits, the CLI offline from a prese
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -152,3 +153,21 @@ def test_cli_refuses_non_positive_sizes_naming_the_key(arg: str, message: str, c
 
     assert plan_main([arg]) == 2  # the user-error status, one message, no traceback
     assert capsys.readouterr().err.strip() == f"plan error: {message}"
+
+
+def test_cli_lays_out_training_ranks_and_vllm_servers_per_node() -> None:
+    """data.source=vllm: the training ranks hold no target; each server's devices hold its share of the weights
+    (bf16: 2 bytes x 116.83B / 4 devices) and what vLLM's gpu_memory_utilization leaves of the device."""
+    out = _cli("model=gpt-oss-120b", "world_size=8", "nodes=2", "device_memory_gb=80", "+exp=eagle3_ttt",
+               "data.source=vllm", "vllm.tensor_parallel_size=4")
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    assert "target placement none" in text and re.search(r"\ntarget weights +0\.000\n", text)
+    weights = 116.83e9 * 2 / 4 / 2**30
+    assert "each of 2 node(s), 8 devices: devices 0-3 the training ranks" in text
+    assert f"vLLM server 0: devices 4-7, target weights {weights:.1f} GiB per device, {0.9 * 80 - weights:.1f} GiB" in text
+    out = _cli("model=gpt-oss-120b", "world_size=8", "nodes=2", "device_memory_gb=80", "+exp=eagle3_ttt",
+               "data.source=vllm", "vllm.tensor_parallel_size=2")
+    assert "does NOT fit at gpu_memory_utilization 0.9: raise vllm.tensor_parallel_size" in out.stdout
+    out = _cli("model=gpt-oss-120b", "world_size=8", "nodes=3", "data.source=vllm")
+    assert out.returncode == 2 and "world_size=8 is not a multiple of nodes=3" in out.stderr

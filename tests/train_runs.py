@@ -68,11 +68,13 @@ def check_ok(r: subprocess.CompletedProcess, what: str) -> None:
     assert r.returncode == 0, f"{what}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
 
 
-def torchrun(out: Path, prep: Path, *overrides: str, nproc: int = 2, common: list[str] = COMMON) -> None:
+def torchrun(out: Path, prep: Path, *overrides: str, nproc: int = 2, common: list[str] = COMMON,
+             timeout_s: float = 300) -> None:
     script = [str(ROOT / "launch" / "train.py"), *common, f"data.dir={prep}", f"out_dir={out}", *overrides]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                 "--master_port", str(free_port())]
-    r = subprocess.run([*launcher, *script], capture_output=True, text=True, env=clean_env(), timeout=300, cwd=ROOT)
+    r = subprocess.run([*launcher, *script], capture_output=True, text=True, env=clean_env(), timeout=timeout_s,
+                       cwd=ROOT)
     check_ok(r, " ".join(script))
 
 

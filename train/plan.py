@@ -287,7 +287,7 @@ def settings_from_run(cfg, world_size: int = 1, context: int | None = None, devi
         raise PlanError(f"data.batch_size={d.batch_size} must be a multiple of the data-parallel size {dp}")
     # On a CUDA device the plan assumes bf16 support; on a CPU it asks this machine's (infra.precision).
     precision = "bf16" if ds.precision == "auto" and device == "cuda" else resolve_precision(ds.precision, device)
-    placement = "none" if d.source == "offline" else d.target_placement
+    placement = "none" if d.source in ("offline", "vllm") else d.target_placement  # vllm: the target is served
     if placement not in PLACEMENTS:
         raise PlanError(f"data.target_placement={placement!r} is not one of {list(PLACEMENTS[1:])}")
     tp = tp_size or getattr(d, "target_tp_size", None) or world_size
@@ -316,6 +316,7 @@ class MemoryPlan:
     max_context: int | None = None  # the longest context that fits device_memory_gb (None: not asked)
     notes: list[str] = field(default_factory=list)
     at_context: float = 0.0  # bytes of one step at exactly the context (`rows`: the run's peak up to it)
+    serving: dict | None = None  # data.source=vllm: what a node's devices hold (`serving_layout`)
 
     @property
     def total(self) -> float:
@@ -337,7 +338,7 @@ class MemoryPlan:
                 "phases_mb": {k: round(v / MiB, 1) for k, v in self.phases.items()},
                 "total_mb": round(self.total / MiB, 1), "at_context_mb": round(self.at_context / MiB, 1),
                 "device_memory_gb": self.device_memory_gb,
-                "fits": self.fits, "max_context": self.max_context}
+                "fits": self.fits, "max_context": self.max_context, "serving": self.serving}
 
     def table(self) -> str:
         s, t, dr = self.settings, self.target, self.drafter
@@ -360,6 +361,8 @@ class MemoryPlan:
             lines.append(f"longest context that fits: {self.max_context if self.max_context else 'none'} tokens"
                          f" ({s.samples_per_rank} sample(s)/rank)")
         lines += [f"note: {n}" for n in self.notes]
+        if self.serving is not None:
+            lines += serving_lines(self.serving)
         return "\n".join(lines)
 
 
@@ -604,10 +607,56 @@ def longest_context(target: TargetInfo, drafter: DrafterInfo, s: Settings, devic
     return lo
 
 
+def serving_layout(cfg, target: TargetInfo, world_size: int, nodes: int, device: str,
+                   device_memory_gb: float | None) -> dict:
+    """data.source=vllm with servers training starts: what each device of a node holds. The node's training ranks
+    (world_size / nodes) take its first devices, then data.vllm_servers_per_node servers take
+    vllm.tensor_parallel_size x pipeline_parallel_size devices each (train/served.py); a server's device holds
+    its share of the target's weights (in the target's dtype; a quantized checkpoint holds less) and, up to vLLM's
+    gpu_memory_utilization of the device, its activations and KV cache."""
+    v, d = cfg.vllm, cfg.data
+    if world_size % nodes:
+        raise PlanError(f"world_size={world_size} is not a multiple of nodes={nodes}")
+    ranks = world_size // nodes
+    group = v.tensor_parallel_size * v.pipeline_parallel_size
+    share = float(v.engine_kwargs.get("gpu_memory_utilization", 0.9))  # vLLM's default
+    weights = target.params * target.dtype_bytes / group
+    servers = [{"server": i, "devices": list(range(ranks + i * group, ranks + (i + 1) * group)),
+                "weights_gib": weights / GiB,
+                "kv_cache_gib": None if device_memory_gb is None else share * device_memory_gb - weights / GiB}
+               for i in range(d.vllm_servers_per_node)]
+    return {"nodes": nodes, "devices_per_node": ranks + group * d.vllm_servers_per_node, "training_ranks": ranks,
+            "device": device, "gpu_memory_utilization": share, "tensor_parallel_size": v.tensor_parallel_size,
+            "pipeline_parallel_size": v.pipeline_parallel_size, "servers": servers,
+            "fits": None if device_memory_gb is None else all(x["kv_cache_gib"] > 0 for x in servers)}
+
+
+def serving_lines(layout: dict) -> list[str]:
+    r = layout["training_ranks"]
+    lines = [f"serving layout (data.source=vllm), each of {layout['nodes']} node(s), {layout['devices_per_node']} "
+             f"devices: devices 0-{r - 1} the training ranks above (no target), then per server "
+             f"{layout['tensor_parallel_size']} x {layout['pipeline_parallel_size']} devices (tensor x pipeline)"]
+    for x in layout["servers"]:
+        kv = ("" if x["kv_cache_gib"] is None else
+              f", {x['kv_cache_gib']:.1f} GiB left for activations and KV cache at gpu_memory_utilization "
+              f"{layout['gpu_memory_utilization']:g}" if x["kv_cache_gib"] > 0 else
+              f": does NOT fit at gpu_memory_utilization {layout['gpu_memory_utilization']:g}: raise "
+              "vllm.tensor_parallel_size")
+        lines.append(f"  vLLM server {x['server']}: devices {x['devices'][0]}-{x['devices'][-1]}, target weights "
+                     f"{x['weights_gib']:.1f} GiB per device{kv}")
+    if layout["device"] == "cpu":
+        lines.append("  on a machine without devices the servers share the CPU with the training ranks")
+    return lines
+
+
 def plan_run(cfg, target: str, world_size: int = 1, context: int | None = None,
              device_memory_gb: float | None = None, device: str = "cuda", tp_size: int | None = None,
-             describe: Callable[[str], TargetInfo] = describe_target, **extra: Any) -> MemoryPlan:
-    """The plan of a training run config (train.config.RunConfig) on `target` (a preset, a directory or a hub id)."""
+             describe: Callable[[str], TargetInfo] = describe_target, nodes: int = 1, **extra: Any) -> MemoryPlan:
+    """The plan of a training run config (train.config.RunConfig) on `target` (a preset, a directory or a hub id);
+    with data.source=vllm and servers started by training, also what each of the `nodes` nodes' devices hold."""
     s = settings_from_run(cfg, world_size, context, device, tp_size, **extra)
     t = describe(target)
-    return plan(t, describe_drafter(cfg, t), s, device_memory_gb)
+    p = plan(t, describe_drafter(cfg, t), s, device_memory_gb)
+    if cfg.data.source == "vllm" and not cfg.vllm.urls:
+        p.serving = serving_layout(cfg, t, world_size, nodes, device, device_memory_gb)
+    return p
