@@ -938,13 +938,20 @@ def regenerate_splits(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, m
 
 def render_splits(cfg: PrepConfig, preset: TargetPreset, tokenizer, mine_by_split: dict, out: Path, part: int,
                   parts: int, writes: bool, counts: Counter) -> dict[str, list[Rendered]]:
-    """Every split's training samples in capture order, written to <out>/rendered/ (what online training reads)
-    by the part's writing rank; what rendering dropped is counted in `counts`."""
+    """Every split's training samples in the order the part's shards will hold them, written to <out>/rendered/
+    (what online training reads) by the part's writing rank: those the regeneration already wrote (one pass) in
+    their shards' order, then the rest in capture order, so a rendered set and its prep's shard set list the same
+    samples in the same order (offline and online training draw the same batches). What rendering dropped is
+    counted in `counts`."""
+    from data_prep.shards import recorded_sample_ids
+
     rendered = {}
     for split, mine in mine_by_split.items():
         samples, render_counts = render_all(cfg, tokenizer, mine, preset)
         counts.update(render_counts)
-        rendered[split] = capture_order(samples)
+        written = {sid: k for k, sid in enumerate(recorded_sample_ids(out / split, part))}
+        rendered[split] = sorted(capture_order(samples),
+                                 key=lambda s: (s.conversation_id not in written, written.get(s.conversation_id, 0)))
         if writes:
             write_split(out, split, part, parts, rendered[split])
     return rendered

@@ -364,6 +364,14 @@ def completed_sample_ids(root: str | Path) -> set[str]:
     return done
 
 
+def recorded_sample_ids(root: str | Path, rank: int) -> list[str]:
+    """The sample ids rank `rank` has recorded in its partial manifest, in the order its shards hold them."""
+    path = Path(root) / f"manifest.r{rank}.json"
+    if not path.exists():
+        return []
+    return [i for shard in sorted(Manifest.from_file(path).shards, key=lambda s: s.file) for i in shard.sample_ids]
+
+
 def merge_manifests(root: str | Path) -> Manifest:
     """Join the per-rank partial manifests into manifest.json (call once, after every rank closed)."""
     root = Path(root)

@@ -166,6 +166,13 @@ def test_a_sample_the_states_do_not_cover_is_prefilled(tmp_path: Path, data, mon
     assert summary["one_pass"]["not_covered"] == {split: e["prefill"] for split, e in expected.items()}
     assert _replies(one) == _replies(two)
     _assert_read_rows_equal(one, two)
+    # the rendered set lists the samples in the shards' order (one pass's first, then the prefilled ones), so
+    # online and vLLM-fed training draw the offline run's batches
+    from data_prep.rendered import RenderedSet
+    from data_prep.shards import ShardSet
+
+    for split in ("train", "eval"):
+        assert RenderedSet(one, split).sample_ids() == ShardSet(one / split).sample_ids(), split
 
 
 def test_a_crash_mid_regeneration_resumes_without_duplicates(tmp_path: Path, data) -> None:
