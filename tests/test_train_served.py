@@ -205,3 +205,23 @@ def test_the_users_server_feeds_the_same_run(tmp_path: Path, prep: Path, standin
             del os.environ["OPENAI_API_KEY"]
     assert_close_curves(tmp_path / "user", ref, RTOL)
     assert not list((tmp_path / "user").glob("vllm.node*.log"))  # training started none
+
+
+def test_hybrid_from_vllm_writes_epoch_0_then_reads_its_shards(tmp_path: Path, prep: Path, standin: str,
+                                                               monkeypatch) -> None:
+    """data.source=hybrid data.hybrid_from=vllm: epoch 0 from the server, written as the run's shards; epoch 1 reads
+    them and asks the server nothing (the held-out split still comes from it); the losses are the offline run's."""
+    log = tmp_path / "standin.log"
+    monkeypatch.setenv("STANDIN_LOG", str(log))
+    train_in_one_process(prep, [(tmp_path / "offline", SIX)], common=ONLINE_COMMON)
+    run = tmp_path / "hybrid"
+    train_in_one_process(prep, [(run, [*SIX, *served(standin, tmp_path / "scratch"), "data.source=hybrid",
+                                       "data.hybrid_from=vllm", "train.eval_interval=0"])], common=ONLINE_COMMON)
+    assert_close_curves(run, tmp_path / "offline", RTOL)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["data"]["source"] == "hybrid" and summary["data"]["bytes_written"] > 0
+    from data_prep.shards import ShardSet
+
+    assert len(ShardSet(run / "captured" / "train")) == 10  # every training sample, once
+    asked = log.read_text().count("capture sample")
+    assert 10 <= asked <= 10 + 2 + 2  # epoch 0's samples (and what ran ahead past them), the final eval's 2

@@ -119,8 +119,10 @@ class DataConfig:
     # data.target_tp_size ranks; a group's ranks gather their samples and run one forward over them together.
     target_placement: str = "replicate"
     target_tp_size: int | None = None  # data.target_placement=tp: ranks per group; None = the whole world
-    # data.source=hybrid: tokens per shard it writes (prep's capture.tokens_per_shard)
+    # data.source=hybrid: tokens per shard it writes (prep's capture.tokens_per_shard), and what computes epoch 0's
+    # features: online (the frozen target in each rank) or vllm (the `vllm` group's servers, as data.source=vllm)
     hybrid_tokens_per_shard: int = 1 << 20
+    hybrid_from: str = "online"
     # Which rows of the TRAIN split are loss targets. assistant: the prep's loss mask (the assistant's replies).
     # all: every real token, the user's turns and the template's too: the stored teacher is the target's own
     # prediction at every position, so each row still distils the target, at no prep cost. Held-out evaluation
@@ -333,7 +335,8 @@ class RunConfig:
         if d.source == "hybrid" and ds.sequence_parallel_size > 1:
             raise ConfigError("data.source=hybrid with deepspeed.sequence_parallel_size > 1 is not supported: the ranks of "
                               "a sequence-parallel group read the same samples and would write the same shards")
-        if d.source == "vllm":
+        _one_of("data.hybrid_from", d.hybrid_from, ("online", "vllm"))
+        if d.source == "vllm" or d.source == "hybrid" and d.hybrid_from == "vllm":
             self.vllm.servers()  # ConfigError naming an entry of vllm.urls that is not a server's address
             if d.vllm_servers_per_node < 1:
                 raise ConfigError(f"data.vllm_servers_per_node must be >= 1, got {d.vllm_servers_per_node}")

@@ -260,9 +260,10 @@ class _InRenderedOrder:
 
 
 class HybridSamples:
-    """data.source=hybrid (see the module docstring): online in epoch 0, writing shards; a shard set afterwards."""
+    """data.source=hybrid (see the module docstring): online in epoch 0, writing shards; a shard set afterwards.
+    `online`: OnlineSamples, or train/served.py ServedSamples (data.hybrid_from=vllm)."""
 
-    def __init__(self, online: OnlineSamples, root: Path, rank: int, world: int, tokens_per_shard: int,
+    def __init__(self, online, root: Path, rank: int, world: int, tokens_per_shard: int,
                  verify: str, barrier: Callable[[], None], batch_size: int):
         if online.max_tokens is not None:
             raise ValueError("hybrid capture writes whole samples, as prep does (max_tokens=None)")
@@ -300,6 +301,12 @@ class HybridSamples:
             if s.sample_id not in self._recorded:
                 writer.add(s)
                 self._recorded.add(s.sample_id)
+
+    def plan(self, batches: list[list[int]]) -> None:
+        """Epoch 0's order, for a live source that asks servers ahead (train/served.py)."""
+        ahead = getattr(self.online, "plan", None)
+        if ahead is not None:
+            ahead(batches)
 
     def get_many(self, indices: list[int], owned: list[bool] | None = None) -> list[Sample]:
         raw = self.online.captured(indices)

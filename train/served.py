@@ -271,15 +271,18 @@ def _scratch_root(configured: str | None) -> Path:
     return root
 
 
-def wait_serving(endpoints, timeout_s: float) -> None:
+def wait_serving(endpoints, timeout_s: float, should_stop: Callable[[], int] = lambda: 0) -> None:
     """Until every endpoint answers /health: a server this rank started is watched for its exit (its reason
-    quoted); the others are polled. VLLMServerError naming the server and its log after timeout_s."""
+    quoted); the others are polled. VLLMServerError naming the server and its log after timeout_s; Preempted at
+    once on a stop signal (nothing has trained yet)."""
     from infra.vllm_server import VLLMServerError, http_get
 
     deadline = time.monotonic() + timeout_s
     for e in endpoints:
         server = _STARTED_HERE.get(e.url)
         while True:
+            if should_stop():
+                raise Preempted(should_stop())
             if server is not None:
                 server.raise_if_dead(" while starting")
             try:
@@ -293,11 +296,13 @@ def wait_serving(endpoints, timeout_s: float) -> None:
 
 
 def served_sources(cfg: RunConfig, run_dir: Path, rank: int, world: int, stack: ExitStack,
-                   should_stop: Callable[[], int]) -> tuple[ServedSamples, ServedSamples | None]:
-    """(train, held-out or None) sample sources of data.source=vllm for this rank: the prep's rendered splits, the
-    target checked against the prep before any server starts, the servers started (or the user's found) and
-    every resource entered into `stack` (servers, scratch and connections go when training ends, however)."""
-    from data_prep.targets import load_target_config, load_tokenizer, resolve_target, target_dtype
+                   should_stop: Callable[[], int], barrier: Callable[[], None] = lambda: None):
+    """(train, held-out or None) sample sources of data.source=vllm for this rank (or of data.source=hybrid with
+    data.hybrid_from=vllm: epoch 0 from the servers, writing the run's shards, as train/online.py HybridSamples
+    does with the transformers target): the prep's rendered splits, the target checked against the prep before any
+    server starts, the servers started (or the user's found) and every resource entered into `stack` (servers,
+    scratch and connections go when training ends, however)."""
+    from data_prep.targets import load_target_config, load_tokenizer, model_path, resolve_target, target_dtype
     from data_prep.vllm_capture import engine_layer_ids
     from data_prep.vllm_client import Endpoint, ServerSpec, VLLMClient
     from train.build import load_head
@@ -318,7 +323,7 @@ def served_sources(cfg: RunConfig, run_dir: Path, rank: int, world: int, stack: 
     longest = max(min(n, truncate or n) for part in (train_rendered, eval_rendered) if part is not None
                   for n in part.lengths())
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    server_spec = ServerSpec(model=ref if not preset.local_path else str(Path(preset.local_path).resolve()),
+    server_spec = ServerSpec(model=model_path(preset),
                              dtype=target_dtype(preset, source.dtype, "cuda" if torch.cuda.is_available() else "cpu"),
                              max_model_len=longest + 1, hidden_size=spec.target["hidden_size"],
                              layer_ids=engine_layer_ids(spec.tap_layers, spec.target["num_layers"]),
@@ -339,10 +344,15 @@ def served_sources(cfg: RunConfig, run_dir: Path, rank: int, world: int, stack: 
     stack.enter_context(client)
 
     def ready() -> None:
-        wait_serving(client.endpoints, v.timeout_s)
+        wait_serving(client.endpoints, v.timeout_s, should_stop)
         client.wait_ready()  # every server serves the prep's target at the length needed
 
     head = load_head(prep) if spec.teacher != "hidden" else None
     features = ServedFeatures(client, spec, head, ready, should_stop)
     held_out = ServedSamples(eval_rendered, features, truncate) if eval_rendered is not None else None
+    if d.source == "hybrid":
+        from train.online import CAPTURED_DIR, HybridSamples
+
+        return HybridSamples(ServedSamples(train_rendered, features), run_dir / CAPTURED_DIR / "train", rank, world,
+                             d.hybrid_tokens_per_shard, d.verify, barrier, d.batch_size // world), held_out
     return ServedSamples(train_rendered, features, truncate), held_out

@@ -306,11 +306,11 @@ def sample_sources(cfg: RunConfig, run_dir: Path, data_rank: int, data_world: in
     prep = Path(cfg.data.dir)
     if cfg.data.source == "offline":
         return prep / "train", held_out_split(prep)  # held_out_split names an unfinished prep as such
-    if cfg.data.source == "vllm":
+    if cfg.data.source == "vllm" or cfg.data.hybrid_from == "vllm" and cfg.data.source == "hybrid":
         from train.served import served_sources
 
         return served_sources(cfg, run_dir, dist.get_rank(), dist.get_world_size(), resources,
-                              lambda: signals.received)
+                              lambda: signals.received, dist.barrier)
     from train.engine import device, partition_frozen
     from train.online import sample_sources as online_sources
 
@@ -379,7 +379,7 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, sign
         logger.log("eval", 0, evaluate(engine, module, head, eval_data, objective, sp))  # the untrained baseline
     engine.train()
     # a live source's wait may end in a stop signal (its server signalled with it): every rank stops at that batch
-    live = cfg.data.source == "vllm"
+    live = cfg.data.source == "vllm" or cfg.data.hybrid_from == "vllm" and cfg.data.source == "hybrid"
     at_step, feature_wait, loop_start = dataclasses.replace(cursor), 0.0, time.perf_counter()
     while not stop and step < steps_total and (t.stop_after_steps is None or step < t.stop_after_steps):
         batches = train_data.epoch(cursor.epoch, cursor.batch)
