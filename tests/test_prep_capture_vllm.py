@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_prep
+from job_steps import process_tree, signal_step
 from vllm_standin import standin_python
 
 from data_prep.config import PrepConfig
@@ -649,37 +650,6 @@ def test_real_vllm_kill_9_leaves_no_vllm_process_and_sigterm_resumes_equal(tmp_p
     assert not list((tmp_path / "scratch").iterdir())
 
 
-def _tree(pid: int) -> list[int]:
-    """`pid` and every process descended from it (the processes a SLURM job step holds)."""
-    children: dict[int, list[int]] = {}
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                stat = (proc / "stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(proc.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
-def _signal_tree(pid: int, sig: int) -> list[int]:
-    """SLURM's way: the signal to every process of the step at once (prep, the guard, the server, its engine)."""
-    import signal as _signal  # noqa: F401 - sig is a signal number
-
-    pids = _tree(pid)
-    for p in pids:
-        try:
-            os.kill(p, sig)
-        except ProcessLookupError:
-            pass
-    return pids
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize(("stage", "signame"), [("capture", "SIGUSR1"), ("capture", "SIGTERM"),
                                                 ("regeneration", "SIGUSR1"), ("regeneration", "SIGTERM")])
@@ -705,7 +675,7 @@ def test_a_step_wide_signal_stops_prep_cleanly_and_the_rerun_is_equal(tmp_path: 
     proc = _prep_process(out, tiny_target_dir, tiny_sharegpt_file, {"STANDIN_LOG": str(log), "STANDIN_SLOW_S": "0.4"},
                          **cfg)
     _wait_for(log, "capture sample\ncapture sample" if stage == "capture" else "generate\ngenerate", proc)
-    pids = _signal_tree(proc.pid, getattr(signal, signame))
+    pids = signal_step(proc.pid, getattr(signal, signame))
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err[-3000:]
     assert "Traceback" not in err and "engine error" not in err, err[-3000:]
@@ -798,13 +768,13 @@ def test_real_vllm_step_wide_signals_and_a_killed_guard(tmp_path: Path) -> None:
 
     for sig in (signal.SIGUSR1, signal.SIGTERM):
         proc = start_and_wait_for_a_shard()
-        assert len(_tree(proc.pid)) >= 4  # prep, the guard, the sentinel, vLLM's API server and its engine
-        _signal_tree(proc.pid, sig)
+        assert len(process_tree(proc.pid)) >= 4  # prep, the guard, the sentinel, vLLM's API server and its engine
+        signal_step(proc.pid, sig)
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 75 and "Traceback" not in err, err[-3000:]
         nothing_left()
     proc = start_and_wait_for_a_shard()
-    guard = next(p for p in _tree(proc.pid) if "--guard" in Path(f"/proc/{p}/cmdline").read_bytes().decode(
+    guard = next(p for p in process_tree(proc.pid) if "--guard" in Path(f"/proc/{p}/cmdline").read_bytes().decode(
         errors="replace").replace("\0", " "))
     os.kill(guard, signal.SIGKILL)
     _, err = proc.communicate(timeout=300)

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+from job_steps import signal_step
 from train_runs import (
     ONLINE_COMMON,
     ROOT,
@@ -123,7 +124,6 @@ def test_kill_9_leaves_no_server_and_a_step_wide_sigterm_stops_and_both_resume_e
     """kill -9 of training: its server goes with it. SIGTERM to every process of the step (SLURM's way: training, the
     guard, the server and its engine; the server exits on it): exit 75 with a checkpoint at the last step. Each
     rerun resumes, and the run ends with the uninterrupted run's losses."""
-    from test_prep_capture_vllm import _signal_tree
 
     ref = tmp_path / "ref"
     scratch = tmp_path / "scratch"
@@ -141,7 +141,7 @@ def test_kill_9_leaves_no_server_and_a_step_wide_sigterm_stops_and_both_resume_e
     log.unlink()
     proc = _train_process(run, prep, [*common, "train.resume=true"], env)
     _wait_for_step(run, 4, proc)
-    pids = _signal_tree(proc.pid, signal.SIGTERM)
+    pids = signal_step(proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err[-3000:]
     assert "Traceback" not in err and "engine error" not in err, err[-3000:]
