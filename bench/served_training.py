@@ -9,8 +9,10 @@
                 loss masks only), then the demo's training with data.source=online (the transformers target in
                 each training rank computes the features)
   (c) vllm      the same render prep, then the demo's training with data.source=vllm (one vLLM server, started by
-                training on the same CPU, computes them)
-(b) and (c) share one render prep: its wall time counts in each. Per variant: wall seconds end to end (prep +
+                training on the same CPU, computes them, every epoch)
+  (d) hybrid    the same, with data.source=hybrid data.hybrid_from=vllm: epoch 0 from the server, written as the
+                run's shards, later epochs read them
+(b), (c) and (d) share one render prep: its wall time counts in each. Per variant: wall seconds end to end (prep +
 training), training's tokens per second (summary tokens over the training loop's seconds, evals and saves left
 out), the share of that loop spent waiting for the next batch (train/trainer.py feature_wait_share), feature bytes
 on disk (the shards of the prep and of the run; the rendered samples' bytes beside them) and the held-out simulated
@@ -69,7 +71,7 @@ def training(run: Path) -> dict:
             "feature_wait_share": data["feature_wait_share"], "source": data["source"],
             "target_dtype": data.get("target_dtype"), "precision": summary["precision"],
             "held_out_sim_tau": summary["eval"]["sim_tau"],
-            "run_feature_bytes": tree_bytes(run, "*.safetensors") - tree_bytes(run / "checkpoints", "*.safetensors")}
+            "run_feature_bytes": tree_bytes(run / "captured", "*.safetensors")}  # hybrid's shards
 
 
 def main() -> None:
@@ -88,7 +90,9 @@ def main() -> None:
             "prep", log, PREP_DIR=str(out), ARGS="$(DEMO_PREP_ARGS) $(DEMO_VLLM_ARGS) stage=render", **demo_prep)),
     }
     runs = {"offline": ("prep", ""), "online": ("prep_render", "data.source=online"),
-            "vllm": ("prep_render", SERVED.format(python=args.vllm_python))}
+            "vllm": ("prep_render", SERVED.format(python=args.vllm_python)),
+            "hybrid_vllm": ("prep_render", SERVED.format(python=args.vllm_python).replace(
+                "data.source=vllm", "data.source=hybrid data.hybrid_from=vllm"))}
     for name, (prep, extra) in runs.items():
         walls[name] = stage(work, f"run_{name}", "summary.json", lambda out, log, prep=prep, extra=extra: make(
             "train", log, EXP="eagle3_demo", PREP_DIR=str(work / prep), RUN_DIR=str(out),
@@ -107,7 +111,8 @@ def main() -> None:
     result = {
         "what": "the demo's data and recipe (make prep's demo settings, make train EXP=eagle3_demo, 2 ranks) with the "
                 "features (a) captured by prep into shards, (b) computed by the transformers target in each training "
-                "rank, (c) computed by one vLLM server training starts; one quiet run each on this machine",
+                "rank, (c) computed by one vLLM server training starts, every epoch, (d) by that server in epoch 0, "
+                "then read from the run's own shards; one quiet run each on this machine",
         "cpu": _cpu_name(), "samples": prep["samples"], "dtype": prep["dtype"], "variants": variants,
         "ratios": {"vllm_over_offline_wall": c / a, "vllm_over_online_wall": c / b},
         "goals": {"vllm_over_offline_wall": 1.0, "vllm_over_online_wall": 0.7},
