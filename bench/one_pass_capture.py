@@ -1,8 +1,8 @@
 """Prep's vLLM route in one pass against two (capture.one_pass, data_prep/vllm_capture.py OnePassCapture): wall
 times, replies and features of two preps of the same data and seed.
 
-    python bench/one_pass_capture.py run --work /tmp/one_pass --make NUM_SAMPLES=200      # two `make prep`, compared
-    python bench/one_pass_capture.py compare /tmp/one_pass/one /tmp/one_pass/two           # two finished preps
+    python bench/one_pass_capture.py run --work <dir> --make NUM_SAMPLES=200        # two `make prep`, compared
+    python bench/one_pass_capture.py compare <dir>/one <dir>/two                 # two finished preps
 
 `run` makes the demo's prep (`make prep` with the demo's settings: one vLLM server on both cores regenerates and
 captures; DEMO_PREP_ARGS and DEMO_VLLM_ARGS) twice into --work, with capture.one_pass=false (`two`) and =true
@@ -130,7 +130,7 @@ def compare(one: Path, two: Path, make_wall_s: dict | None = None) -> dict:
     values = features.pop("values")
     return {
         "what": "prep's vLLM route with capture.one_pass=true (one) against false (two), same data and seed",
-        "preps": {"one": str(one), "two": str(two)},
+        "preps": {"one": one.name, "two": two.name},  # names inside --work: no machine paths
         "wall_s": {name: s.get("wall_s") for name, s in summaries.items()},
         "make_prep_wall_s": make_wall_s,
         "capture_pass": {name: s.get("capture_pass") for name, s in summaries.items()},

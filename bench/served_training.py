@@ -79,8 +79,6 @@ def main() -> None:
     p.add_argument("--work", required=True, help="where the preps and runs go (outside the work tree; resumable)")
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     p.add_argument("--out", default=str(RESULTS / "served_training.json"))
-    p.add_argument("--variants", default="offline,online,vllm,hybrid_vllm",
-                   help="which of the runs to make and compare (offline, online and vllm always)")
     args = p.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -95,10 +93,6 @@ def main() -> None:
             "vllm": ("prep_render", SERVED.format(python=args.vllm_python)),
             "hybrid_vllm": ("prep_render", SERVED.format(python=args.vllm_python).replace(
                 "data.source=vllm", "data.source=hybrid data.hybrid_from=vllm"))}
-    chosen = set(args.variants.split(",")) | {"offline", "online", "vllm"}
-    if chosen - set(runs):
-        raise SystemExit(f"--variants: unknown {sorted(chosen - set(runs))}; known {list(runs)}")
-    runs = {k: v for k, v in runs.items() if k in chosen}
     for name, (prep, extra) in runs.items():
         walls[name] = stage(work, f"run_{name}", "summary.json", lambda out, log, prep=prep, extra=extra: make(
             "train", log, EXP="eagle3_demo", PREP_DIR=str(work / prep), RUN_DIR=str(out),

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 from conftest import run_prep
-from job_steps import process_tree
 from train_runs import ROOT, assert_close_curves, clean_env, records, torchrun
 
 from infra.processes import free_port
+from infra.vllm_server import group_members
 
 VLLM_PYTHON = os.environ.get("DRAFTERS_VLLM_PYTHON", "")
 RTOL = 1e-4
@@ -39,11 +39,10 @@ COMMON = [
 ENGINE = {"enforce_eager": True}
 
 
-def _vllm_processes(scratch: Path) -> set[int]:
-    """The processes of the servers whose scratch is under `scratch`: each server's guard (its command line names
-    the scratch) and everything below it (vLLM's API server and engine, which retitle themselves), so that servers
-    of other jobs on the machine do not count."""
-    out = set()
+def _server_groups(scratch: Path) -> set[int]:
+    """The process groups of the servers whose scratch is under `scratch`: each server's guard leads one (its command
+    line names the scratch) holding vLLM's API server and engine, so that servers of other jobs do not count."""
+    groups = set()
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
@@ -51,20 +50,12 @@ def _vllm_processes(scratch: Path) -> set[int]:
             except OSError:
                 continue
             if "--guard" in cmd and str(scratch) in cmd:
-                out.update(process_tree(int(proc.name)))
-    return out
+                groups.add(int(proc.name))
+    return groups
 
 
-def _alive(pids: set[int]) -> set[int]:
-    """Those of `pids` still running (a zombie has ended: only its parent's wait is missing)."""
-    alive = set()
-    for p in pids:
-        try:
-            if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                alive.add(p)
-        except OSError:
-            pass
-    return alive
+def _members(groups: set[int]) -> set[int]:
+    return set().union(*(group_members(g) for g in groups))
 
 
 def test_two_ranks_fed_by_real_vllm_equal_offline_and_kill_9_resumes(tmp_path: Path) -> None:
@@ -80,7 +71,7 @@ def test_two_ranks_fed_by_real_vllm_equal_offline_and_kill_9_resumes(tmp_path: P
     scratch = tmp_path / "scratch"
     served = tmp_path / "served"
     args = [*COMMON, f"data.dir={prep}", f"out_dir={served}", "data.source=vllm", f"vllm.python={VLLM_PYTHON}",
-            "+vllm.engine_kwargs.enforce_eager=true", f"vllm.scratch_dir={tmp_path / 'scratch'}"]
+            "+vllm.engine_kwargs.enforce_eager=true", f"vllm.scratch_dir={scratch}"]
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
               str(free_port()), str(ROOT / "launch" / "train.py")]
     proc = subprocess.Popen([*launch, *args], cwd=ROOT, env=clean_env(), start_new_session=True,
@@ -89,22 +80,23 @@ def test_two_ranks_fed_by_real_vllm_equal_offline_and_kill_9_resumes(tmp_path: P
     while not (served / "checkpoints" / "latest").exists():
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-4000:]
         time.sleep(0.5)
-    started = _vllm_processes(scratch)
+    groups = _server_groups(scratch)
+    started = _members(groups)
     assert len(started) >= 3, f"no guarded vLLM server while training ran: {started}"  # guard, server, engine
     os.killpg(proc.pid, signal.SIGKILL)  # every training process at once; the servers are in sessions of their own
     proc.wait(timeout=60)
     deadline = time.time() + 60
-    while _alive(started) and time.time() < deadline:
+    while _members(groups) and time.time() < deadline:
         time.sleep(0.5)
-    assert not _alive(started), "vLLM processes outlived kill -9 of training"
+    assert not _members(groups), "vLLM processes outlived kill -9 of training"
     killed_at = len(records(served, "train"))
     assert 4 <= killed_at < 20, killed_at
 
     torchrun(served, prep, "data.source=vllm", f"vllm.python={VLLM_PYTHON}", "+vllm.engine_kwargs.enforce_eager=true",
-             f"vllm.scratch_dir={tmp_path / 'scratch'}", "train.resume=true", common=COMMON, timeout_s=1200)
+             f"vllm.scratch_dir={scratch}", "train.resume=true", common=COMMON, timeout_s=1200)
     assert_close_curves(served, offline, RTOL)
     summary = json.loads((served / "summary.json").read_text())
     data = summary["data"]
     print(f"killed after step {killed_at}; resumed: {data}")
     assert data["source"] == "vllm" and data["bytes_written"] == 0 and summary["finished"]
-    assert not _vllm_processes(scratch), "vLLM processes outlived the resumed run"
+    assert not _members(_server_groups(scratch)), "vLLM processes outlived the resumed run"
