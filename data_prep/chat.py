@@ -518,3 +518,23 @@ def use_chat_template(tokenizer, value: str | None, owner: str):
                          "chat_template=<file or template string> (launch/prep.py and launch/eval.py; make prep/eval "
                          "ARGS=\"chat_template=<file>\")")
     return tokenizer
+
+
+def stop_token_ids(model, tokenizer, template_kwargs: dict | None = None) -> tuple[int, ...]:
+    """Where a reply of `model` ends, for decoding that is not prep's regeneration (evaluation, on-policy rollouts):
+    the generation config's and the tokenizer's EOS ids, and the chat template's end-of-turn token."""
+    ids: list[int] = []
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for src in (gen_eos, tokenizer.eos_token_id):
+        if src is None:
+            continue
+        ids.extend(src if isinstance(src, (list, tuple)) else [src])
+    try:
+        eot = end_of_turn(tokenizer, template_kwargs=template_kwargs)
+    except ValueError:
+        eot = None
+    if eot:
+        eot_ids = tokenizer.convert_tokens_to_ids([eot])
+        if eot_ids and eot_ids[0] is not None and eot_ids[0] != tokenizer.unk_token_id:
+            ids.append(eot_ids[0])
+    return tuple(dict.fromkeys(int(i) for i in ids))

@@ -14,15 +14,12 @@ user error naming the file or both targets. The target and drafter live only whi
 
 from __future__ import annotations
 
-import json
-import pickle
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from data_prep.chat import stop_token_ids
 from eval import metrics
 from eval.budget import AdaptiveBudget, CycleCost, VerifyCost, choose_total_tokens
 from eval.categories import (
@@ -47,32 +44,11 @@ from eval.spec_decode import (
 )
 from eval.target import TargetRunner
 from infra.strict_json import dumps
-from models.export import CONFIG_FILE, TARGET_KEY, WEIGHTS_FILE, ExportError
+from models.export import CONFIG_FILE, TARGET_KEY, ExportError, read_export, unreadable_weights
 from models.registry import DrafterFamily, family, family_of_drafter
 
 REPORT_FILE = "report.json"
 CATEGORIES_FILE = "categories.md"
-
-
-def stop_token_ids(model, tokenizer, template_kwargs: dict | None = None) -> tuple[int, ...]:
-    """EOS ids: the generation config's, the tokenizer's, and the chat template's end-of-turn token."""
-    ids: list[int] = []
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for src in (gen_eos, tokenizer.eos_token_id):
-        if src is None:
-            continue
-        ids.extend(src if isinstance(src, (list, tuple)) else [src])
-    from data_prep.chat import end_of_turn
-
-    try:
-        eot = end_of_turn(tokenizer, template_kwargs=template_kwargs)
-    except ValueError:
-        eot = None
-    if eot:
-        eot_ids = tokenizer.convert_tokens_to_ids([eot])
-        if eot_ids and eot_ids[0] is not None and eot_ids[0] != tokenizer.unk_token_id:
-            ids.append(eot_ids[0])
-    return tuple(dict.fromkeys(int(i) for i in ids))
 
 
 def load_drafter(export_dir: str, target_model, device: str, dtype: torch.dtype, tokenizer=None,
@@ -112,44 +88,6 @@ def load_drafter(export_dir: str, target_model, device: str, dtype: torch.dtype,
     if tgt_h != text_cfg.hidden_size:
         raise ValueError(f"drafter expects target hidden size {tgt_h}, target has {text_cfg.hidden_size}")
     return drafter
-
-
-def read_export(export_dir: str) -> dict:
-    """An export's config.json: FileNotFoundError without one, ExportError naming it when it is not a JSON object
-    (a damaged or hand-edited file) or records its target as something else than an object."""
-    path = Path(export_dir) / CONFIG_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"drafter {export_dir}: no {CONFIG_FILE} (an export dir holds {CONFIG_FILE} and "
-                                f"{WEIGHTS_FILE}: launch/export.py writes one from a checkpoint)")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as e:  # not UTF-8, not JSON
-        raise ExportError(f"{path}: not valid JSON ({e}): a damaged export, refused") from None
-    if not isinstance(raw, dict) or not isinstance(raw.get(TARGET_KEY) or {}, dict):
-        raise ExportError(f"{path}: a drafter's config.json is a JSON object whose {TARGET_KEY!r} is one too: a "
-                          "damaged export, refused")
-    return raw
-
-
-def _weights_file(export_dir: str) -> Path:
-    d = Path(export_dir)
-    return d / WEIGHTS_FILE if (d / WEIGHTS_FILE).exists() or not (d / "pytorch_model.bin").exists() else (
-        d / "pytorch_model.bin")
-
-
-@contextmanager
-def unreadable_weights(export_dir: str) -> Iterator[None]:
-    """A weights file that cannot be read (truncated, not a safetensors or torch file: safetensors' header check,
-    torch's unpickler or zip reader) stops as an ExportError naming it, rather than as the reader's traceback."""
-    from safetensors import SafetensorError
-
-    try:
-        yield
-    except (SafetensorError, pickle.UnpicklingError, EOFError, RuntimeError) as e:
-        if isinstance(e, RuntimeError) and "PytorchStreamReader" not in str(e):
-            raise  # not the zip reader's: not a damaged file
-        raise ExportError(f"{_weights_file(export_dir)}: cannot be read ({str(e).splitlines()[0]}): a damaged or "
-                          "partly copied export, refused") from None
 
 
 def read_export_weights(export_dir: str) -> dict:

@@ -267,3 +267,16 @@ class SpeculativeDecoder:
                 rec.depth_attempts[n] += 1
                 if n + 1 < len(path):
                     rec.depth_accepts[n] += 1
+
+
+@torch.no_grad()
+def chain_rollout(target_model, drafter, prompt_ids: list[int], max_new_tokens: int, depth: int,
+                  temperature: float = 0.0, eos_token_ids: tuple[int, ...] = (),
+                  generator: torch.Generator | None = None) -> GenerationRecord:
+    """One rollout of the on-policy stage (train/on_policy.py, named by the family table): lossless speculative
+    decoding of `prompt_ids` by `target_model` (an HF CausalLM) with chains of `depth` drafts of `drafter`, no
+    adaptive budget, so every verify cycle proposes `depth` drafts and its accepted length says which it rejected."""
+    decoder = SpeculativeDecoder(TargetRunner(target_model, drafter.tap_layers), drafter,
+                                 SpecSettings(mode="chain", depth=depth))
+    return decoder.generate(list(prompt_ids), max_new_tokens, SamplingParams(temperature=temperature),
+                            eos_token_ids, generator)

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -141,3 +144,41 @@ def load_tensors(drafter: nn.Module, tensors: dict[str, Tensor]) -> None:
         if tuple(value.shape) != tuple(state[key].shape):
             raise ValueError(f"{key}: checkpoint shape {tuple(value.shape)} != config shape {tuple(state[key].shape)}")
     drafter.load_state_dict({**state, **tensors}, strict=True)
+
+
+def read_export(export_dir: str) -> dict:
+    """An export's config.json: FileNotFoundError without one, ExportError naming it when it is not a JSON object
+    (a damaged or hand-edited file) or records its target as something else than an object."""
+    path = Path(export_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"drafter {export_dir}: no {CONFIG_FILE} (an export dir holds {CONFIG_FILE} and "
+                                f"{WEIGHTS_FILE}: launch/export.py writes one from a checkpoint)")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:  # not UTF-8, not JSON
+        raise ExportError(f"{path}: not valid JSON ({e}): a damaged export, refused") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get(TARGET_KEY) or {}, dict):
+        raise ExportError(f"{path}: a drafter's config.json is a JSON object whose {TARGET_KEY!r} is one too: a "
+                          "damaged export, refused")
+    return raw
+
+
+def _weights_file(export_dir: str) -> Path:
+    d = Path(export_dir)
+    return d / WEIGHTS_FILE if (d / WEIGHTS_FILE).exists() or not (d / "pytorch_model.bin").exists() else (
+        d / "pytorch_model.bin")
+
+
+@contextmanager
+def unreadable_weights(export_dir: str) -> Iterator[None]:
+    """A weights file that cannot be read (truncated, not a safetensors or torch file: safetensors' header check,
+    torch's unpickler or zip reader) stops as an ExportError naming it, rather than as the reader's traceback."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, pickle.UnpicklingError, EOFError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "PytorchStreamReader" not in str(e):
+            raise  # not the zip reader's: not a damaged file
+        raise ExportError(f"{_weights_file(export_dir)}: cannot be read ({str(e).splitlines()[0]}): a damaged or "
+                          "partly copied export, refused") from None

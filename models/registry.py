@@ -51,6 +51,9 @@ class DrafterFamily:
     block_drafting: bool = False  # drafts a fixed block per verify: decode.depth / topk / total_tokens unused
     # vLLM's --speculative-config method for its exports, where eval/engine.py checks and serves them; None: not checked
     vllm_method: str | None = None
+    # "module:function": lossless speculative decoding of one prompt with chains of its drafts against an HF target
+    # (eval/spec_decode.py chain_rollout): the on-policy stage's rollouts (train/on_policy.py); None: no such stage
+    rollout: str | None = None
 
     def _load(self, name: str) -> ModuleType:
         return importlib.import_module(name)
@@ -66,6 +69,12 @@ class DrafterFamily:
     @property
     def drafting_cls(self) -> type:
         return self._attribute(self.drafting)
+
+    @property
+    def rollout_fn(self):
+        if self.rollout is None:
+            raise ValueError(f"{self.label} drafters have no on-policy rollouts")
+        return self._attribute(self.rollout)
 
     @property
     def config_cls(self) -> type:
@@ -106,7 +115,7 @@ FAMILIES: dict[str, DrafterFamily] = {
         "train.eagle3:Eagle3Objective", "eval.drafting:EagleDrafting",
         label="EAGLE-3",
         levers=("draft_vocab_size", "lm_head_init", "freeze_lm_head", "norm_init", "fc_norm", "norm_output"),
-        sequence_parallel=True, draft_vocab=True, vllm_method="eagle3",
+        sequence_parallel=True, draft_vocab=True, vllm_method="eagle3", rollout="eval.spec_decode:chain_rollout",
     ),
     "eagle1": DrafterFamily(
         "eagle1", "models.eagle1", "Eagle1Config", "Eagle1Drafter",

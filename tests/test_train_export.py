@@ -130,3 +130,108 @@ def test_a_checkpoint_that_does_not_name_its_family_is_refused(run_dir, tmp_path
     (step / "state.json").write_text(json.dumps({**state, "method": "medusa"}))
     with pytest.raises(ValueError, match="unknown drafter method 'medusa'"):
         export_checkpoint(step, tmp_path / "out")
+
+
+def _fresh_drafter(prep: Path, *overrides: tuple[str, object]):
+    """The drafter a run on `prep` builds (model.* overrides as (key, value)), and the prep's head."""
+    from data_prep.shards import Manifest
+    from train.build import load_head
+    from train.config import DataConfig, RunConfig
+    from train.objective import make_objective
+
+    cfg = RunConfig(out_dir="unused", data=DataConfig(dir=str(prep), max_len=64))
+    for key, value in overrides:
+        setattr(cfg.model, key, value)
+    head = load_head(prep)
+    torch.manual_seed(0)
+    tap_layers = Manifest.from_file(prep / "train" / "manifest.json").tap_layers
+    return make_objective(cfg).build_drafter(prep, tap_layers, head), head
+
+
+def test_init_from_loads_every_trained_tensor_of_the_export(run_dir) -> None:
+    """train.init_from: the drafter starts with the export's weights and draft vocabulary mapping (bf16 in the export,
+    so equal to its bf16 values), the target's frozen embedding untouched."""
+    from train.build import init_from_export
+    from train.export import prep_target
+
+    prep, run = run_dir
+    drafter, head = _fresh_drafter(prep)
+    embed = drafter.embed_tokens.weight.clone()
+    info = init_from_export(drafter, run / "export", prep, head, prep_target(prep))
+    exported = load_file(str(run / "export" / "model.safetensors"))
+    state = drafter.state_dict()
+    for key in export_keys():
+        assert torch.equal(state[key].to(exported[key].dtype), exported[key]), key
+    assert torch.equal(drafter.embed_tokens.weight, embed)
+    assert info["family"] == "eagle3" and info["draft_vocab_shared"] == 1.0
+
+
+def test_init_from_takes_a_public_layout_and_refuses_what_does_not_fit(run_dir, tmp_path: Path) -> None:
+    """A released drafter in the engine layout (layers.0.* keys, pytorch_model.bin, no target record) loads the same
+    weights; an export for another target, another draft vocabulary size or another family is refused before
+    training, naming the export and what differs (with the key that sets it)."""
+    from models.export import TARGET_KEY, ExportError
+    from train.build import init_from_export
+    from train.export import prep_target
+
+    prep, run = run_dir
+    target = prep_target(prep)
+    public = tmp_path / "public"
+    public.mkdir()
+    tensors = load_file(str(run / "export" / "model.safetensors"))
+    torch.save({k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}, public / "pytorch_model.bin")
+    config = json.loads((run / "export" / "config.json").read_text())
+    (public / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != TARGET_KEY}))
+    drafter, head = _fresh_drafter(prep)
+    init_from_export(drafter, public, prep, head, target)
+    assert torch.equal(drafter.fc.weight.to(torch.bfloat16), tensors["fc.weight"])
+
+    other = tmp_path / "other_target"
+    other.mkdir()
+    (other / "model.safetensors").write_bytes((run / "export" / "model.safetensors").read_bytes())
+    (other / "config.json").write_text(json.dumps({**config, TARGET_KEY: {**config[TARGET_KEY], "hidden_size": 4096}}))
+    with pytest.raises(ExportError, match=r"train.init_from=.*other_target was trained for .* differ in hidden_size"):
+        init_from_export(_fresh_drafter(prep)[0], other, prep, head, target)
+
+    smaller, _ = _fresh_drafter(prep, ("draft_vocab_size", 16))
+    with pytest.raises(ExportError, match=r"draft_vocab_size \d+ \(this run: 16, set model.draft_vocab_size\)"):
+        init_from_export(smaller, run / "export", prep, head, target)
+
+    dflash = tmp_path / "dflash"
+    dflash.mkdir()
+    (dflash / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
+    with pytest.raises(ExportError, match=r"is a DFlash drafter; this run trains model.method=eagle3"):
+        init_from_export(_fresh_drafter(prep)[0], dflash, prep, head, target)
+
+
+def test_a_run_started_from_an_export_begins_where_the_export_ended(run_dir, tmp_path: Path) -> None:
+    """End to end: the held-out loss of a run started with train.init_from is, before its first step, the exporting
+    run's final one (to the export's bf16 rounding), not a fresh drafter's."""
+    prep, run = run_dir
+    first = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in first if r.get("kind") == "eval"]
+    out = tmp_path / "continued"
+    _run([sys.executable, str(ROOT / "launch" / "train.py"), "+exp=debug", f"data.dir={prep}", f"out_dir={out}",
+          "train.max_steps=1", "data.max_len=64", "data.eval_batch_size=2", "deepspeed.zero_stage=2",
+          f"train.init_from={run / 'export'}", "train.eval_interval=1", "train.export=false"])
+    second = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    start = next(r for r in second if r.get("kind") == "eval" and r["step"] == 0)
+    fresh, ended = evals[0], evals[-1]
+    assert ended["step"] == 2 and fresh["step"] == 0
+    assert start["loss_k"][0] == pytest.approx(ended["loss_k"][0], rel=2e-2)
+    assert abs(start["loss_k"][0] - ended["loss_k"][0]) < abs(fresh["loss_k"][0] - ended["loss_k"][0]) / 4
+
+
+def test_a_resume_from_another_export_is_refused(run_dir, tmp_path: Path) -> None:
+    """train.init_from decides the weights a run started from: a resume naming another export is another run."""
+    from train.config import DataConfig, RunConfig
+    from train.trainer import RunDirError, check_resume, resume_settings
+
+    prep, run = run_dir
+    cfg = RunConfig(out_dir=str(tmp_path), data=DataConfig(dir=str(prep)))
+    cfg.train.init_from = str(run / "export")
+    state = {"settings": resume_settings(cfg)}
+    assert check_resume(cfg, state, tmp_path) == []
+    cfg.train.init_from = str(tmp_path)
+    with pytest.raises(RunDirError, match=r"train.init_from: .*export.* -> "):
+        check_resume(cfg, state, tmp_path)

@@ -30,6 +30,9 @@ class Batch:
     teacher_topk_logits: Tensor | None = None  # [B, T, k]
     teacher_argmax: Tensor | None = None  # int64 [B, T]
     sample_ids: list[str] | None = None
+    # On-policy rollouts (train/rollout.py): at each position, the TTT steps inference visited from it (0: none);
+    # the loss then counts only those (anchor, step) pairs. None: every pair (supervised training).
+    draft_steps: Tensor | None = None  # int64 [B, T]
 
     @property
     def teacher_kind(self) -> str:
@@ -115,12 +118,16 @@ def collate(samples: Sequence[Any], max_len: int | None = None) -> Batch:
         if any(present) and not all(present):
             raise ValueError(f"{name} is present on some samples only; a batch needs one teacher kind")
         teachers[name] = _pad_stack(values, length) if all(present) else None
+    steps = [getattr(s, "draft_steps", None) for s in samples]
+    if any(v is not None for v in steps) and not all(v is not None for v in steps):
+        raise ValueError("draft_steps is present on some samples only: a batch is rollouts or supervised samples")
     return Batch(
         input_ids=_pad_stack([s.input_ids.long() for s in samples], length, PAD_ID),
         loss_mask=_pad_stack([s.loss_mask.bool() for s in samples], length, False),
         valid=valid,
         taps=_pad_stack([s.taps for s in samples], length),
         sample_ids=[str(getattr(s, "sample_id", i)) for i, s in enumerate(samples)],
+        draft_steps=_pad_stack([v.long() for v in steps], length, 0) if steps[0] is not None else None,
         **teachers,
     )
 

@@ -3,6 +3,7 @@ head, and the drafter config for training (model code stays in models/; each obj
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -70,3 +71,82 @@ def drafter_from_state(
     from models.registry import family
 
     return family(method).from_state(config, params, buffers)
+
+
+# Drafter config fields a run decides for itself, whatever the export it starts from says: the length it trains
+# for (and the rope scaling pinned with it, models.config.for_trained_length), the dtype it exports in, and the
+# target layer count (only validates tap ids, checked against the prep's target below).
+RUN_OWNED_FIELDS = ("max_position_embeddings", "rope_scaling", "torch_dtype", "target_num_layers")
+# The run config key that sets a drafter config field, where one does (named by the refusal).
+FIELD_KEYS = {"tap_layers": "model.tap_layers", "draft_vocab_size": "model.draft_vocab_size",
+              "intermediate_size": "model.intermediate_size", "num_attention_heads": "model.num_attention_heads",
+              "num_key_value_heads": "model.num_key_value_heads", "head_dim": "model.head_dim",
+              "rope_theta": "model.rope_theta", "fc_norm": "model.fc_norm", "norm_output": "model.norm_output",
+              "num_hidden_layers": "model.dflash.num_layers", "block_size": "model.dflash.block_size",
+              "mask_token_id": "model.dflash.mask_token_id"}
+
+
+@torch.no_grad()
+def init_from_export(drafter: nn.Module, export_dir: str | Path, prep_dir: Path, head: nn.Module,
+                     target: dict | None) -> dict:
+    """train.init_from: an export's weights (ours, or a public drafter in the engine layout: models/<family>.py
+    load_export reads both) into `drafter`, the one the objective built for this prep. Refused, naming the export,
+    before training starts: another family's export; one recorded for another target than the prep's (architecture,
+    geometry, tokenizer: models.export.check_target, as eval checks an export); a config that gives the drafter
+    another shape or behaviour than this run's (each field named with both values and the key that sets it). The
+    export's draft vocabulary mapping (d2t/t2d) comes with its weights, since its lm_head's rows mean those tokens;
+    the teacher's targets follow the drafter's mapping (train/loss.py VocabMaps.from_drafter). Returns what the
+    log says of it: the family, and how many of its draft tokens the prep's own draft vocabulary has. `target`:
+    the prep's target as its spec records it (train.export.prep_target)."""
+    from models.export import (
+        TARGET_KEY,
+        ExportError,
+        check_tap_layers,
+        check_target,
+        read_export,
+        unreadable_weights,
+    )
+    from models.registry import family_of_drafter, family_of_export
+    from models.target_head import EMBED_KEY, LM_HEAD_KEY
+
+    where = f"train.init_from={export_dir}"
+    raw = read_export(str(export_dir))  # FileNotFoundError / ExportError naming it
+    mine = family_of_drafter(drafter)
+    try:
+        theirs = family_of_export(raw)
+    except ValueError as e:
+        raise ExportError(f"{where}: {e}") from None
+    if theirs.method != mine.method:
+        raise ExportError(f"{where} is a {theirs.label} drafter; this run trains model.method={mine.method} "
+                          f"({mine.label}): start from an export of the same family")
+    target = target or {}
+    check_target(raw.get(TARGET_KEY), target, where, f"the prep's target {target.get('id')} ({prep_dir})")
+    weights = {EMBED_KEY: head.embed_tokens_weight.detach().float().cpu(),
+               LM_HEAD_KEY: head.lm_head.weight.detach().float().cpu()}
+    try:
+        with unreadable_weights(str(export_dir)):
+            loaded = theirs.load_export(export_dir, target_weights=weights, dtype=torch.float32,
+                                        target_num_layers=target.get("num_layers"))
+    except ExportError:
+        raise
+    except ValueError as e:  # its config.json or tensors do not make a drafter for this target
+        raise ExportError(f"{where}: {e}") from e
+    check_tap_layers(raw.get(TARGET_KEY), loaded.tap_layers, where)
+    ours, given = dataclasses.asdict(drafter.cfg), dataclasses.asdict(loaded.cfg)
+    differ = [k for k in ours if k not in RUN_OWNED_FIELDS and ours[k] != given.get(k)]
+    if differ:
+        raise ExportError(f"{where} gives another drafter than this run builds for {prep_dir}: " + "; ".join(
+            f"{k} {given.get(k)!r} (this run: {ours[k]!r}{', set ' + FIELD_KEYS[k] if k in FIELD_KEYS else ''})"
+            for k in differ))
+    state = {k: v for k, v in loaded.state_dict().items() if k not in mine.frozen_keys}
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in mine.frozen_keys]
+    if missing or unexpected:  # the same family and config: a broken layout, not a user's choice
+        raise ExportError(f"{where}: tensors {missing} missing, {unexpected} unexpected for the {mine.label} drafter")
+    out = {"export": str(export_dir), "family": mine.method, "tap_layers": list(loaded.tap_layers)}
+    if mine.draft_vocab:
+        d2t, _ = draft_vocab(prep_dir, int(loaded.cfg.draft_vocab_size))
+        export_ids = set((torch.arange(loaded.d2t.numel()) + loaded.d2t.long()).tolist())
+        prep_ids = set((torch.arange(d2t.numel()) + d2t).tolist())
+        out["draft_vocab_shared"] = len(export_ids & prep_ids) / max(1, len(export_ids))
+    return out

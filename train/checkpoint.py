@@ -3,7 +3,7 @@
     <run_dir>/checkpoints/
         latest                      # text: the newest complete checkpoint's directory name
         step_000100/
-            model.safetensors       # full fp32 trainable parameters + buffers (d2t, t2d)
+            model.safetensors       # full fp32 trainable parameters + buffers (d2t, t2d) [+ rollout drafter]
             optimizer.safetensors   # full Adam moments: exp_avg/<param>, exp_avg_sq/<param>
             state.json              # step, Adam step, scheduler, data cursor (global), run metadata
             rng.pt                  # torch / cuda / python / numpy RNG state (rank 0's)
@@ -25,7 +25,7 @@ import os
 import random
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +52,8 @@ class Checkpoint:
     state: dict  # state.json
     rng: dict | None  # None when loaded without the optimizer state (an export)
     drafter_config: dict
+    # Other tensors of model.safetensors, by their full name (the on-policy stage's rollout drafter: "rollout/...")
+    extra: dict[str, Tensor] = field(default_factory=dict)
 
     def engine_state(self) -> dict:
         """The shape Engine.prepare(state=...) expects."""
@@ -94,8 +96,10 @@ def save(
     meta: dict,
     drafter_config: dict,
     keep: int,
+    extra: dict[str, Tensor] | None = None,
 ) -> Path:
-    """Rank 0 only: write checkpoint `step` atomically, point `latest` at it, drop old ones."""
+    """Rank 0 only: write checkpoint `step` atomically, point `latest` at it, drop old ones. `extra`: more tensors
+    for model.safetensors, by full names outside param/ and buffer/ (Checkpoint.extra)."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
     tmp = root / f".tmp-{final.name}"
@@ -104,6 +108,10 @@ def save(
     with writing(tmp):  # a full disk's error names no file
         model = {f"param/{k}": v.contiguous() for k, v in engine_state["params"].items()}
         model.update({f"buffer/{k}": v.contiguous() for k, v in buffers.items()})
+        for k, v in (extra or {}).items():
+            if k.startswith(("param/", "buffer/")):
+                raise ValueError(f"checkpoint extra tensor {k!r}: param/ and buffer/ are the drafter's")
+            model[k] = v.contiguous()
         save_safetensors(model, tmp / CHECKPOINT_WEIGHTS)
         moments = {
             f"{key}/{k}": v.contiguous()
@@ -191,6 +199,7 @@ def load(path: Path, optimizer: bool = True) -> Checkpoint:
         state=json.loads((path / "state.json").read_text()),
         rng=torch.load(path / "rng.pt", weights_only=True) if optimizer else None,
         drafter_config=json.loads((path / DRAFTER_CONFIG).read_text()),
+        extra={k: v for k, v in model.items() if not k.startswith(("param/", "buffer/"))},
     )
 
 

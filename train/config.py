@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -140,6 +141,18 @@ class DFlashTrainConfig:
 
 
 @dataclass
+class OnPolicyConfig:
+    """train.on_policy: Draft-OPD's on-policy stage (train/on_policy.py): the drafter rolls out against the target
+    on prep's prompts and trains on the drafting those rollouts visited, against the target's distribution."""
+
+    enabled: bool = False
+    depth: int = 3  # drafts per rollout cycle (chain drafting); train.ttt_steps >= depth trains every visited step
+    max_new_tokens: int = 256  # tokens each rollout generates (cut at data.max_len, and at the target's EOS)
+    temperature: float = 0.0  # 0: greedy rollouts (the target's argmax); > 0: lossless sampling at this temperature
+    refresh_interval: int = 10  # optimizer steps between copies of the trained weights into the rollout drafter
+
+
+@dataclass
 class TrainConfig:
     ttt_steps: int = 7  # K: TTT unroll length
     eval_ttt_steps: int | None = None  # steps unrolled by held-out evals; None = ttt_steps
@@ -190,8 +203,13 @@ class TrainConfig:
     # (checkpoints, metrics, summary, export); overwrite=true removes them first (train/trainer.py RUN_OUTPUTS).
     overwrite: bool = False
     seed: int = 0
+    # An export dir (ours, or a public drafter of the same family in the engine layout) whose weights start the run
+    # instead of a fresh initialisation: checked against the prep's target and this run's drafter config before
+    # training starts (train/build.py init_from_export). None = a fresh drafter.
+    init_from: str | None = None
     log_interval: int = 1  # optimizer steps between metrics.jsonl lines
     dflash: DFlashTrainConfig = field(default_factory=DFlashTrainConfig)  # model.method=dflash only
+    on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)  # Draft-OPD's stage (off: supervised)
     export: bool = True  # write <run_dir>/export/ at the end
 
     def warmup(self, total_steps: int) -> int:
@@ -267,6 +285,7 @@ class RunConfig:
         if world_size is not None:
             self._validate_world(world_size)
         self._validate_dflash()
+        self._validate_on_policy()
         self._warn_ineffective()
         return self
 
@@ -296,6 +315,9 @@ class RunConfig:
         _one_of("train.accept_loss", t.accept_loss, ACCEPT_KINDS)
         if t.teacher_epoch_cache_mb < 0:
             raise ConfigError(f"train.teacher_epoch_cache_mb must be >= 0, got {t.teacher_epoch_cache_mb}")
+        if t.init_from is not None and not (Path(t.init_from) / "config.json").is_file():
+            raise ConfigError(f"train.init_from={t.init_from}: no config.json there (an export dir holds config.json "
+                              "and model.safetensors: launch/export.py writes one, a run writes <out_dir>/export)")
         if t.accept_loss_weight < 0:
             raise ConfigError(f"train.accept_loss_weight must be >= 0, got {t.accept_loss_weight}")
 
@@ -493,6 +515,44 @@ class RunConfig:
             unused.append("model.attn_backend")
         if unused:
             warnings.warn(f"{', '.join(unused)}: not used by model.method={m.method} (ignored)", stacklevel=3)
+
+
+    def _validate_on_policy(self) -> None:
+        """train.on_policy: its ranges, and what its rollouts need (the target in the ranks, a drafter that drafts
+        chains, whole samples)."""
+        op, d, t = self.train.on_policy, self.data, self.train
+        for key in ("depth", "max_new_tokens", "refresh_interval"):
+            if getattr(op, key) < 1:
+                raise ConfigError(f"train.on_policy.{key} must be >= 1, got {getattr(op, key)}")
+        if op.temperature < 0:
+            raise ConfigError(f"train.on_policy.temperature must be >= 0, got {op.temperature}")
+        if not op.enabled:
+            return
+        from models.registry import family
+
+        fam = family(self.model.method)
+        need = [
+            (fam.rollout is None, f"model.method={self.model.method}: {fam.label} drafters have no rollouts "
+             "(model.method=eagle3)"),
+            (d.source != "online", f"data.source={d.source}: rollouts verify with the target in the ranks "
+             "(data.source=online)"),
+            (d.target_placement != "replicate", f"data.target_placement={d.target_placement}: a rank's rollouts "
+             "run their own number of target forwards, which a ZeRO-3 or tensor-parallel target cannot "
+             "(data.target_placement=replicate)"),
+            (d.overflow != "truncate", "data.overflow=split: a rollout is one window (data.overflow=truncate)"),
+            (d.loss_tokens != "assistant", "data.loss_tokens=all: a rollout trains its continuation only"),
+            (self.deepspeed.sequence_parallel_size > 1, "deepspeed.sequence_parallel_size > 1: not with rollouts"),
+            (d.num_workers > 0, "data.num_workers > 0: rollouts run in the training process"),
+        ]
+        refused = [why for bad, why in need if bad]
+        if refused:
+            raise ConfigError("train.on_policy.enabled=true: " + "; ".join(refused))
+        if t.ttt_steps < op.depth:
+            warnings.warn(f"train.ttt_steps={t.ttt_steps} < train.on_policy.depth={op.depth}: the visited steps past "
+                          f"{t.ttt_steps} are not trained", stacklevel=3)
+        if t.init_from is None:
+            warnings.warn("train.on_policy.enabled=true without train.init_from: the rollouts start from a fresh "
+                          "drafter (the stage continues a supervised one)", stacklevel=3)
 
 
 def _one_of(key: str, value: Any, allowed: tuple) -> None:

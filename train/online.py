@@ -67,6 +67,7 @@ class FrozenTarget:
     device: torch.device
     placement: object = None  # what keeps a ZeRO-3 partitioning alive (its DeepSpeed engine); None: a whole copy
     group: object = None  # data.target_placement=tp: the process group the target is split over
+    tokenizer: object = None  # its tokenizer with the prep's chat template (rollouts stop at its end of turn)
 
     def samples(self, rendered: list[Rendered]) -> list[Sample]:
         """The samples as prep's capture writes them (the target's dtype), from ONE forward over `rendered`; split
@@ -171,7 +172,7 @@ def load_frozen_target(rendered: RenderedSet, cfg: DataConfig, device: torch.dev
     placement = partition(base_model(model)) if partition is not None else None
     capture = HiddenStateCapture(model, spec.tap_layers).__enter__()
     release_freed_memory()  # the load's temporaries (a ZeRO-3 load's whole layers, a dtype cast's source), freed
-    return FrozenTarget(model, capture, head, spec, device, placement, tensor_parallel_group(model))
+    return FrozenTarget(model, capture, head, spec, device, placement, tensor_parallel_group(model), tokenizer)
 
 
 class OnlineSamples:

@@ -34,7 +34,7 @@ from infra.dirlock import LOCK_FILE, DirLock, claim
 from infra.preemption import Preempted, StopSignals, signal_name
 from infra.strict_json import dumps
 from train import checkpoint
-from train.build import load_head
+from train.build import init_from_export, load_head
 from train.config import RunConfig
 from train.data import Cursor, ShardBatches, held_out_split
 from train.engine import Engine, init_distributed
@@ -54,7 +54,8 @@ log = logging.getLogger("train")
 RUN_OUTPUTS = ("config.yaml", METRICS_FILE, RUN_SUMMARY, "checkpoints", "export", "captured", "wandb", "eval")
 
 # What decides the sample order (train/data.py: which samples, how they are cut and batched, the seed), the
-# schedule (its length and shape: train/engine.py) or the objective (K, the TTT unroll, and its loss decay),
+# schedule (its length and shape: train/engine.py), the objective (K, the TTT unroll, and its loss decay) or the
+# weights the run started from (train.init_from),
 # recorded in every checkpoint's state.json ("settings"). A resume that changes one of them would train some samples
 # twice, skip others, bend the lr curve or train another objective, so it is refused, naming the key; a longer
 # schedule is allowed on purpose only (train.extend=true: EXTENDABLE). Everything else may change on a resume: the world size and ZeRO stage (checkpoints are
@@ -65,6 +66,7 @@ RESUME_KEYS = (
     "data.overflow", "data.split_overlap", "data.bucket", "data.bucket_pool", "train.seed", "train.epochs",
     "train.max_steps", "train.grad_accum", "train.lr", "train.min_lr_ratio", "train.warmup_steps",
     "train.warmup_ratio", "train.schedule", "train.decay_ratio", "train.ttt_steps", "train.loss_decay",
+    "train.init_from",
 )
 # What train.extend=true may raise on a resume: the run goes on past its end, on a schedule recomputed for the new
 # length from the step it resumes at (recorded in the checkpoints' and the summary's "extensions").
@@ -82,7 +84,7 @@ def resume_settings(cfg: RunConfig) -> dict:
         node = cfg
         for part in key.split("."):
             node = getattr(node, part)
-        out[key] = str(Path(node).resolve()) if key == "data.dir" else node
+        out[key] = str(Path(node).resolve()) if key in ("data.dir", "train.init_from") and node else node
     return out
 
 
@@ -247,7 +249,9 @@ def evaluate(
 def save_checkpoint(
     engine: Engine, module, run_dir: Path, step: int, cursor: Cursor, cfg: RunConfig, total: int,
     extensions: list[dict] = (),  # type: ignore[assignment]
+    rollouts=None,
 ) -> None:
+    """`rollouts`: the on-policy source (train/on_policy.py), whose rollout drafter the checkpoint keeps."""
     state = engine.portable_state()  # collective
     if engine.rank == 0:
         meta = {
@@ -262,10 +266,16 @@ def save_checkpoint(
             "extensions": list(extensions),  # train.extend=true resumes (check_resume)
             "target": prep_target(cfg.data.dir),  # what its export records as the drafter's target
         }
+        extra = {}
+        if rollouts is not None:  # the drafter the next rollouts draft with, and the step its weights are from
+            from train.on_policy import ROLLOUT_PREFIX
+
+            extra = {ROLLOUT_PREFIX + k: v for k, v in rollouts.state().items()}
+            meta["rollout_step"] = rollouts.drafter_step
         buffers = export_buffers(module, cfg.model.method)
         path = checkpoint.save(
             run_dir / "checkpoints", step, state, buffers, meta, dataclasses.asdict(module.cfg),
-            cfg.train.keep_checkpoints,
+            cfg.train.keep_checkpoints, extra,
         )
         log.info("checkpoint %s", path)
     dist.barrier()
@@ -317,7 +327,12 @@ def sample_sources(cfg: RunConfig, run_dir: Path, data_rank: int, data_world: in
     partition = None
     if cfg.data.target_placement == "zero3":
         partition = functools.partial(partition_frozen, ds_cfg=cfg.deepspeed)
-    return online_sources(cfg, run_dir, data_rank, data_world, device(), partition, dist.barrier)
+    train, held_out = online_sources(cfg, run_dir, data_rank, data_world, device(), partition, dist.barrier)
+    if cfg.train.on_policy.enabled:  # the prompts rolled out by the drafter against the same target
+        from train.on_policy import on_policy_source
+
+        train = on_policy_source(cfg, train)
+    return train, held_out
 
 
 def run(cfg: RunConfig, run_dir: str | Path) -> dict:
@@ -359,9 +374,22 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, sign
     torch.manual_seed(t.seed)  # identical initial weights on every rank (ZeRO-3 partitions each rank's copy)
     head = load_head(prep)
     objective = make_objective(cfg)
-    drafter = sp.apply(objective.build_drafter(prep, train_data.manifest.tap_layers, head))
+    drafter = objective.build_drafter(prep, train_data.manifest.tap_layers, head)
+    if t.init_from:  # a resume loads the checkpoint's weights over these; the export is checked either way
+        info = init_from_export(drafter, t.init_from, prep, head, prep_target(prep))
+        if rank == 0:
+            log.info("drafter initialised from %s", ", ".join(f"{k} {v}" for k, v in info.items()))
+    drafter = sp.apply(drafter)
     engine = Engine(cfg.deepspeed, t, steps_total)
     head.to(engine.device, engine.dtype)
+    rollouts = train_data.shards if t.on_policy.enabled else None  # train/on_policy.py: its rollout drafter
+    if rollouts is not None:  # a copy of the drafter before the engine partitions it; a resume's from its checkpoint
+        from train.on_policy import ROLLOUT_PREFIX
+
+        saved = {} if ckpt is None else {k.removeprefix(ROLLOUT_PREFIX): v for k, v in ckpt.extra.items()
+                                         if k.startswith(ROLLOUT_PREFIX)}
+        rollouts.start(drafter, engine.device, engine.dtype, ckpt.state.get("rollout_step", 0) if ckpt else 0,
+                       saved)
     module = engine.prepare(
         drafter, ckpt.engine_state() if ckpt else None, keep_gathered=objective.keep_gathered
     )
@@ -404,9 +432,13 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, sign
                 continue
             step += 1
             at_step = dataclasses.replace(cursor)
+            if rollouts is not None and step % t.on_policy.refresh_interval == 0:  # collective
+                rollouts.refresh(engine.full_params(all_ranks=True), step)
             metrics = window.metrics()
             tokens_total += metrics["tokens"]
             if step % t.log_interval == 0 or step == steps_total:
+                if rollouts is not None:  # collective: the rollouts since the last log line, over the ranks
+                    metrics.update(rollouts.window_metrics(_all_reduce(rollouts.take_counts().to(engine.device))))
                 logger.log("train", step, {**metrics, "lr": lr, "grad_norm": engine.grad_norm,
                                            "epoch": cursor.epoch + cursor.batch / train_data.batches_per_epoch,
                                            **memory_stats()})
@@ -421,7 +453,7 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, sign
                     stop = e.signum
                 engine.train()
             if t.save_interval and step % t.save_interval == 0:
-                save_checkpoint(engine, module, run_dir, step, cursor, cfg, steps_total, extensions)
+                save_checkpoint(engine, module, run_dir, step, cursor, cfg, steps_total, extensions, rollouts)
                 last_saved = step
             loop_start += time.perf_counter() - aside
             # A stop signal seen by any rank stops every rank here, after the same step (one int all-reduced)
@@ -435,7 +467,7 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, sign
     preempted = stop if not finished else 0  # a signal after the last step changes nothing
     train_data.close()  # hybrid: its buffered samples into shards
     if last_saved != step:
-        save_checkpoint(engine, module, run_dir, step, cursor, cfg, steps_total, extensions)
+        save_checkpoint(engine, module, run_dir, step, cursor, cfg, steps_total, extensions, rollouts)
     if finished and eval_data is not None and last_eval != step:
         eval_metrics = evaluate(engine, module, head, eval_data, objective, sp)
         logger.log("eval", step, eval_metrics)

@@ -95,14 +95,20 @@ def target_rows(batch: Batch, steps: int) -> tuple[Tensor, Tensor, Tensor]:
     """Candidate target positions (b, j) and which steps can reach them.
 
     Candidates: j+1 is a real, loss-masked token. reachable[k, i]: step k predicts row i from the real
-    position t = j-k-1 >= 0, which this batch owns (always, unless it is a slice: `owned_span`).
+    position t = j-k-1 >= 0, which this batch owns (always, unless it is a slice: `owned_span`), and, in a
+    rollout's batch (`draft_steps`), where inference drafted step k from t (train/rollout.py).
     The in-draft-vocab condition is added where the teacher is evaluated.
     """
     cand = torch.zeros_like(batch.valid)
     cand[:, :-1] = batch.valid[:, 1:] & batch.loss_mask[:, 1:]
     b_idx, j_idx = cand.nonzero(as_tuple=True)
-    t = j_idx[None, :] - torch.arange(steps, device=j_idx.device)[:, None] - 1  # [K, N] start position
-    return b_idx, j_idx, (t >= 0) & (t < owned_span(batch)[1])
+    k = torch.arange(steps, device=j_idx.device)[:, None]
+    t = j_idx[None, :] - k - 1  # [K, N] start position
+    reachable = (t >= 0) & (t < owned_span(batch)[1])
+    if batch.draft_steps is not None:  # a rollout's batch: only the (start, step) pairs inference visited
+        visited = batch.draft_steps[b_idx[None, :].expand_as(t), t.clamp_min(0)]
+        reachable &= visited > k
+    return b_idx, j_idx, reachable
 
 
 def _float_dtype(module: nn.Module) -> torch.dtype:

@@ -1,0 +1,120 @@
+"""train.on_policy (train/on_policy.py): training on the drafter's own rollouts against the target in the ranks.
+
+On a real prep of the tiny 8-layer target (conftest's tiny_prep_dir), from the export of a short supervised run
+(train.init_from): the run logs its rollouts (rollout_*, replay_*), trains only the pairs they visited, refreshes
+the rollout drafter from the trained weights at its interval and keeps it in every checkpoint; stopped between two
+refreshes and resumed it is the uninterrupted run bit for bit; 2 processes match 1. What the stage cannot run with
+is refused before training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from train_runs import (
+    FOUR,
+    LOSS_RTOL,
+    ONLINE_COMMON,
+    WEIGHT_ATOL,
+    assert_close_curves,
+    records,
+    torchrun,
+    train_in_one_process,
+    weights,
+)
+
+from infra.config_keys import ConfigError
+from train.config import DataConfig, RunConfig, TrainConfig
+
+pytestmark = pytest.mark.integration
+
+OPD = ["train.on_policy.enabled=true", "train.on_policy.max_new_tokens=12", "train.on_policy.depth=3",
+       "train.on_policy.refresh_interval=2", "data.source=online"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_prep_dir: Path) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("on_policy")
+    r = {k: base / k for k in ("supervised", "opd", "stopped", "two")}
+    train_in_one_process(tiny_prep_dir, common=ONLINE_COMMON, jobs=[
+        (r["supervised"], [*FOUR, "data.source=online", "train.export=true"]),
+    ])
+    start = f"train.init_from={r['supervised'] / 'export'}"
+    train_in_one_process(tiny_prep_dir, common=ONLINE_COMMON, jobs=[
+        (r["opd"], [*FOUR, *OPD, start]),
+        (r["stopped"], [*FOUR, *OPD, start, "train.stop_after_steps=3"]),  # between the refreshes at 2 and 4
+        (r["stopped"], [*FOUR, *OPD, start, "train.resume=true"]),
+    ])
+    torchrun(r["two"], tiny_prep_dir, *FOUR, *OPD, start, common=ONLINE_COMMON)
+    return r
+
+
+def test_an_on_policy_run_logs_its_rollouts_and_trains_the_visited_pairs(runs) -> None:
+    train = records(runs["opd"], "train")
+    assert sorted(train) == [1, 2, 3, 4]
+    for step, rec in train.items():
+        assert rec["rollouts"] == 2, step  # a global batch of 2 prompts, rolled out once each
+        assert 0 < rec["rollout_new_tokens"] <= 2 * 12
+        assert rec["rollout_cycles"] >= 1 and 1.0 <= rec["rollout_tau"] <= 4.0
+        assert rec["replay_pairs"] >= rec["rollout_cycles"]  # every cycle visits at least its first step
+        assert rec["n_valid_k"][0] >= rec["n_valid_k"][1] >= rec["n_valid_k"][2]
+        assert sum(rec["n_valid_k"]) <= rec["replay_pairs"]  # only visited pairs are trained
+    supervised = records(runs["supervised"], "train")
+    assert train[1]["loss"] != pytest.approx(supervised[1]["loss"], rel=1e-3)  # other samples, other pairs
+    summary = records(runs["opd"], "summary")[4]
+    assert summary["data"]["source"] == "on_policy" and summary["data"]["rollout_drafter_step"] == 4
+    assert summary["data"]["rollouts"] == 8
+
+
+def test_the_rollout_drafter_is_refreshed_at_its_interval_and_checkpointed(runs) -> None:
+    """Refreshed at steps 2 and 4 (before that step's checkpoint): each checkpoint's rollout drafter is its own
+    trained weights; the run started from the export's weights, so step 2's are not the export's."""
+    for step in (2, 4):
+        w = weights(runs["opd"], step)
+        rollout = {k.removeprefix("rollout/"): v for k, v in w.items() if k.startswith("rollout/")}
+        params = {k.removeprefix("param/"): v for k, v in w.items() if k.startswith("param/")}
+        assert sorted(rollout) == sorted(params)
+        for name in params:
+            assert torch.equal(rollout[name], params[name]), (step, name)
+    stopped = weights(runs["stopped"], 3)  # stopped between refreshes: the drafter of step 2, not of step 3
+    at_two = weights(runs["opd"], 2)
+    for name in (k for k in stopped if k.startswith("rollout/")):
+        assert torch.equal(stopped[name], at_two[name]), name
+    assert any(not torch.equal(stopped[k], stopped["param/" + k.removeprefix("rollout/")])
+               for k in stopped if k.startswith("rollout/"))
+
+
+def test_a_stopped_on_policy_run_resumes_bit_identically(runs) -> None:
+    a, b = records(runs["opd"], "train"), records(runs["stopped"], "train")
+    assert sorted(a) == sorted(b)
+    for step in a:
+        for key in ("loss", "n_valid_k", "rollout_new_tokens", "rollout_cycles", "replay_pairs", "replay_rejected"):
+            assert a[step][key] == b[step][key], (step, key)
+    wa, wb = weights(runs["opd"], 4), weights(runs["stopped"], 4)
+    assert sorted(wa) == sorted(wb)
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+def test_two_processes_match_one_on_policy(runs) -> None:
+    assert_close_curves(runs["two"], runs["opd"], LOSS_RTOL)
+    one, two = records(runs["opd"], "train"), records(runs["two"], "train")
+    for step in one:
+        assert one[step]["rollouts"] == two[step]["rollouts"] and one[step]["replay_pairs"] == two[step]["replay_pairs"]
+    w1, w2 = weights(runs["opd"], 4), weights(runs["two"], 4)
+    for name in (k for k in w1 if k.startswith("param/")):
+        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=WEIGHT_ATOL)
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"source": "offline"}, "data.source=offline"),
+    ({"target_placement": "zero3"}, "data.target_placement=zero3"),
+    ({"overflow": "split"}, "data.overflow=split"),
+])
+def test_what_rollouts_cannot_run_with_is_refused(tiny_prep_dir: Path, change: dict, why: str) -> None:
+    cfg = RunConfig(out_dir="unused", data=DataConfig(**{"dir": str(tiny_prep_dir), "source": "online", **change}),
+                    train=TrainConfig(ttt_steps=3))
+    cfg.train.on_policy.enabled = True
+    with pytest.raises(ConfigError, match=rf"train.on_policy.enabled=true: .*{why}"):
+        cfg.validate(1)
