@@ -15,7 +15,7 @@ tenth), seed --seed, no evaluation during training (each arm's compute is its tr
 equal training-loop seconds (train/trainer.py: evals and saves left out; the on-policy loop includes its rollouts).
 
 Then --start and both arms' exports through launch/eval.py on every shipped suite (eval/prompts.py SUITES),
---num-prompts first turns per category: tree (depth 6, top-k 8, 60 nodes), T=0, 64 new tokens; and on MT-bench,
+--num-prompts first turns per category: tree (depth 6, top-k 8, 16 nodes a verify), T=0, 64 new tokens; and on MT-bench,
 chain (3 drafts) at T=0 and at T=1 (seeded). τ = (accepted drafts + 1) per verify forward, pooled over a category's
 prompts, with its 95% bootstrap interval over the prompts (eval/categories.py); α per draft position.
 Writes bench/results/on_policy_<name>.{json,png}; the runs and the full reports stay in --work.
@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from infra.strict_json import dumps
@@ -43,7 +44,8 @@ ARMS = {
     "on_policy": ["+exp=eagle3_opd", "train.on_policy.max_new_tokens=64"],
 }
 EVALS = {  # name: launch/eval.py overrides
-    "tree_t0": ["prompts=all", "decode.mode=tree", "decode.depth=6", "decode.topk=8", "decode.total_tokens=60"],
+    # 16 nodes a verify: 60 (eval's default) costs ~30 s a prompt on 2 CPU cores, 5x the decoding of 16
+    "tree_t0": ["prompts=all", "decode.mode=tree", "decode.depth=6", "decode.topk=8", "decode.total_tokens=16"],
     "chain_t0_mtbench": ["prompts=mtbench", "decode.mode=chain", "decode.depth=3"],
     "chain_t1_mtbench": ["prompts=mtbench", "decode.mode=chain", "decode.depth=3", "decode.temperature=1.0"],
 }
@@ -74,22 +76,23 @@ def train(out: Path, prep: Path, start: Path, arm: str, steps: int, seed: int) -
     out_rec = {"steps": s["steps"], "loop_s": loop_s, "wall_s": s["wall_s"], "tokens": s["tokens"],
                "samples": s["steps"] * 4, "held_out_sim_tau": s["eval"]["sim_tau"],
                "held_out_acc_k": s["eval"]["acc_k"], "source": data["source"], "precision": s["precision"]}
-    if arm == "on_policy":
-        out_rec["rollouts"] = {k: data[k] for k in ("rollouts", "rollout_new_tokens", "rollout_cycles",
-                                                     "rollout_accepted", "replay_pairs", "replay_rejected",
-                                                     "rollout_s", "rollout_tau", "rollout_accept_rate",
-                                                     "replay_pairs_per_token", "target_forward_s")}
+    if arm == "on_policy":  # metrics.jsonl's per-step counters are over the ranks
+        from train.on_policy import COUNTERS, summary
+
+        steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        totals = {k: sum(r[k] for r in steps if r["kind"] == "train") for k in COUNTERS}
+        out_rec["rollouts"] = {**totals, **summary(totals)}
     return out_rec
 
 
-def evaluate(out: Path, drafter: Path, mode: str, num_prompts: int, seed: int) -> dict:
+def evaluate(out: Path, drafter: Path, mode: str, num_prompts: int, seed: int, threads: int) -> dict:
     report = out / "report.json"
     if not report.exists():
         cmd = [sys.executable, str(ROOT / "launch" / "eval.py"), f"drafter={drafter}", f"out_dir={out}",
                *EVALS[mode], f"decode.num_prompts={num_prompts}", "decode.max_new_tokens=64", "decode.max_turns=1",
-               f"decode.seed={seed}", "baseline=false", "warmup=false", "plots=false", "threads=2"]
+               f"decode.seed={seed}", "baseline=false", "warmup=false", "plots=false", f"threads={threads}"]
         out.mkdir(parents=True, exist_ok=True)
-        run(cmd, out.parent / f"{out.name}.log", 2)
+        run(cmd, out.parent / f"{out.name}.log", threads)
     r = json.loads(report.read_text())
     keep = ("suite", "category", "prompts", "turns", "tau", "tau_ci95", "alpha", "oov_rate", "new_tokens")
     return {"tau": r["tau_pooled"], "tau_ci95": r["tau_ci95"], "prompts": r["num_prompts"],
@@ -103,16 +106,18 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tree = {arm: result["evals"][arm]["tree_t0"]["categories"] for arm in ("start", "supervised", "on_policy")}
-    labels = [f"{e['suite']}/{e['category']}" for e in tree["start"]]
+    colors = {"start": "0.6", "supervised": "tab:blue", "on_policy": "tab:orange"}
+    tree = {arm: result["evals"][arm]["tree_t0"]["categories"] for arm in colors
+            if "tree_t0" in result["evals"].get(arm, {})}
+    labels = [f"{e['suite']}/{e['category']}" for e in tree["supervised"]]
     fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(labels)), 4.5))
-    width = 0.27
-    for i, (arm, color) in enumerate((("start", "0.6"), ("supervised", "tab:blue"), ("on_policy", "tab:orange"))):
+    width = 0.8 / len(tree)
+    for i, arm in enumerate(tree):
         taus = [e["tau"] for e in tree[arm]]
         lo = [e["tau"] - e["tau_ci95"][0] for e in tree[arm]]
         hi = [e["tau_ci95"][1] - e["tau"] for e in tree[arm]]
-        xs = [x + (i - 1) * width for x in range(len(labels))]
-        ax.bar(xs, taus, width, yerr=[lo, hi], color=color, label=arm, capsize=2)
+        xs = [x + (i - (len(tree) - 1) / 2) * width for x in range(len(labels))]
+        ax.bar(xs, taus, width, yerr=[lo, hi], color=colors[arm], label=arm, capsize=2)
     ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("τ (tree, T=0, 64 new tokens), 95% CI")
     ax.set_ylim(1.0, None)
@@ -134,6 +139,9 @@ def main() -> None:
     p.add_argument("--timing-steps", type=int, default=20, help="the supervised recipe's timing run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-prompts", type=int, default=10, help="first turns per category")
+    p.add_argument("--evals", default=",".join(EVALS), help="which evaluations (default: all three)")
+    p.add_argument("--drafters", default="start,supervised,on_policy", help="which drafters to evaluate")
+    p.add_argument("--jobs", type=int, default=1, help="evaluations at a time (2 CPU threads shared among them)")
     args = p.parse_args()
     work, prep, start = Path(args.work), Path(args.prep).resolve(), Path(args.start).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -146,16 +154,25 @@ def main() -> None:
     print(f"on_policy {arms['on_policy']['steps']} steps in {arms['on_policy']['loop_s']:.0f} s; supervised "
           f"{sup_steps} steps in {arms['supervised']['loop_s']:.0f} s", flush=True)
 
-    drafters = {"start": start, "supervised": work / "supervised" / "export", "on_policy": work / "on_policy" / "export"}
-    evals = {arm: {mode: evaluate(work / f"eval_{arm}_{mode}", d, mode, args.num_prompts, args.seed)
-                   for mode in EVALS} for arm, d in drafters.items()}
+    exports = {"start": start, "supervised": work / "supervised" / "export", "on_policy": work / "on_policy" / "export"}
+    drafters = {arm: exports[arm] for arm in args.drafters.split(",")}
+    modes = args.evals.split(",")
+    threads = max(1, 2 // args.jobs)
+    with ThreadPoolExecutor(args.jobs) as pool:  # each evaluation is its own process
+        futures = {(arm, mode): pool.submit(evaluate, work / f"eval_{arm}_{mode}", d, mode, args.num_prompts,
+                                            args.seed, threads)
+                   for arm, d in drafters.items() for mode in modes}
+    evals: dict[str, dict] = {}
+    for (arm, mode), future in futures.items():
+        evals.setdefault(arm, {})[mode] = future.result()
     opd, sup = arms["on_policy"], arms["supervised"]
     result = {
         "name": args.name,
         "what": "the on-policy stage (train.on_policy) against continued supervised training from one supervised "
                 "drafter, at equal training-loop seconds, evaluated on every shipped suite",
         "command": f"python bench/on_policy.py --prep <prep> --start <export> --work <dir> --name {args.name} "
-                   f"--opd-steps {args.opd_steps} --seed {args.seed} --num-prompts {args.num_prompts}",
+                   f"--opd-steps {args.opd_steps} --seed {args.seed} --num-prompts {args.num_prompts} "
+                   f"--evals {args.evals} --drafters {args.drafters} --jobs {args.jobs}",
         "seed": args.seed,
         "schedule": SCHEDULE,
         "arms": {"supervised": {"overrides": ARMS["supervised"], **sup},
@@ -167,19 +184,23 @@ def main() -> None:
                                "seconds (drafting + the target's verify forwards), per sample"},
         "evals": evals,
         "eval_settings": {m: EVALS[m] + ["decode.max_new_tokens=64", "decode.max_turns=1",
-                                         f"decode.num_prompts={args.num_prompts}"] for m in EVALS},
+                                         f"decode.num_prompts={args.num_prompts}"] for m in modes},
         "tau_definition": "(accepted drafts + 1) per verify forward, pooled; tau_ci95: 95% bootstrap interval over "
                           "the prompts",
     }
-    tree = {a: evals[a]["tree_t0"] for a in evals}
-    result["goal"] = {"on_policy_tau": tree["on_policy"]["tau"], "supervised_tau_ci95": tree["supervised"]["tau_ci95"],
-                      "met": tree["on_policy"]["tau"] > tree["supervised"]["tau_ci95"][1],
-                      "gain_per_suite": {s: tree["on_policy"]["suites"][s]["tau"] - tree["supervised"]["suites"][s]["tau"]
-                                         for s in tree["supervised"]["suites"]}}
+    tree = {a: evals[a]["tree_t0"] for a in evals if "tree_t0" in evals[a]}
+    if {"supervised", "on_policy"} <= set(tree):
+        opd_tree, sup_tree = tree["on_policy"], tree["supervised"]
+        result["goal"] = {"on_policy_tau": opd_tree["tau"], "supervised_tau": sup_tree["tau"],
+                          "supervised_tau_ci95": sup_tree["tau_ci95"],
+                          "met": opd_tree["tau"] > sup_tree["tau_ci95"][1],
+                          "gain_per_suite": {s: opd_tree["suites"][s]["tau"] - sup_tree["suites"][s]["tau"]
+                                             for s in sup_tree["suites"]}}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"on_policy_{args.name}.json").write_text(dumps(result, indent=1) + "\n")
-    plot(result, RESULTS / f"on_policy_{args.name}.png")
-    print(dumps(result["goal"], indent=1))
+    if "goal" in result:
+        plot(result, RESULTS / f"on_policy_{args.name}.png")
+        print(dumps(result["goal"], indent=1))
 
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@ def test_an_on_policy_run_logs_its_rollouts_and_trains_the_visited_pairs(runs) -
     summary = records(runs["opd"], "summary")[4]
     assert summary["data"]["source"] == "on_policy" and summary["data"]["rollout_drafter_step"] == 4
     assert summary["data"]["rollouts"] == 8
+    assert summary["data"]["replay_pairs"] == sum(r["replay_pairs"] for r in train.values())
 
 
 def test_the_rollout_drafter_is_refreshed_at_its_interval_and_checkpointed(runs) -> None:
@@ -102,6 +103,7 @@ def test_two_processes_match_one_on_policy(runs) -> None:
     one, two = records(runs["opd"], "train"), records(runs["two"], "train")
     for step in one:
         assert one[step]["rollouts"] == two[step]["rollouts"] and one[step]["replay_pairs"] == two[step]["replay_pairs"]
+    assert records(runs["two"], "summary")[4]["data"]["rollouts"] == 8  # every rank's, not rank 0's 4
     w1, w2 = weights(runs["opd"], 4), weights(runs["two"], 4)
     for name in (k for k in w1 if k.startswith("param/")):
         torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=WEIGHT_ATOL)

@@ -183,9 +183,18 @@ class OnPolicySamples:
         got = dict(zip(COUNTERS, counts.double().cpu().tolist()))
         return {**{k: (int(v) if k != "rollout_s" else v) for k, v in got.items()}, **summary(got)}
 
+    def run_totals(self) -> Tensor:
+        """This rank's counters over the run (float64 [len(COUNTERS)]), for the trainer to add over the ranks."""
+        return torch.tensor([self.totals[k] for k in COUNTERS], dtype=torch.float64)
+
+    def set_run_totals(self, counts: Tensor) -> None:
+        """The run's counters over every rank (the summary's), replacing this rank's."""
+        self.totals = dict(zip(COUNTERS, counts.double().cpu().tolist()))
+
     def stats(self) -> dict:
-        """What the summary says of the source: the target forwards that captured the rollouts' features (besides
-        the rollouts' own verify forwards, in rollout_s), the rollout counters and their `summary`."""
+        """What the summary says of the source: this rank's target forwards that captured the rollouts' features
+        (besides the rollouts' own verify forwards, in rollout_s), the rollout counters (over every rank once the
+        trainer has set them, `set_run_totals`) and their `summary`."""
         return {**self.online.stats(), "source": "on_policy", "target_forward_s": self.capture_s,
                 "target_forward_tokens": self.capture_tokens, "target_forwards": self.captures, **self.totals,
                 **summary(self.totals), "rollout_drafter_step": self.drafter_step}

@@ -473,6 +473,8 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, sign
         logger.log("eval", step, eval_metrics)
     if finished and t.export:
         export(engine, module, run_dir / "export", cfg.model.method, prep_target(cfg.data.dir))
+    if rollouts is not None:  # collective: the summary counts every rank's rollouts
+        rollouts.set_run_totals(_all_reduce(rollouts.run_totals().to(engine.device)))
     summary = run_summary(cfg, engine, sp, train_data, cursor, step, steps_total, preempted, extensions,
                           eval_metrics, world, t0, tokens_total, (feature_wait, loop_s))
     if rank == 0:
