@@ -141,6 +141,7 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=10, help="first turns per category")
     p.add_argument("--evals", default=",".join(EVALS), help="which evaluations (default: all three)")
     p.add_argument("--drafters", default="start,supervised,on_policy", help="which drafters to evaluate")
+    p.add_argument("--start-evals", default=None, help="the start drafter's evaluations (default: --evals)")
     p.add_argument("--jobs", type=int, default=1, help="evaluations at a time (2 CPU threads shared among them)")
     args = p.parse_args()
     work, prep, start = Path(args.work), Path(args.prep).resolve(), Path(args.start).resolve()
@@ -161,7 +162,8 @@ def main() -> None:
     with ThreadPoolExecutor(args.jobs) as pool:  # each evaluation is its own process
         futures = {(arm, mode): pool.submit(evaluate, work / f"eval_{arm}_{mode}", d, mode, args.num_prompts,
                                             args.seed, threads)
-                   for arm, d in drafters.items() for mode in modes}
+                   for arm, d in drafters.items()
+                   for mode in (args.start_evals.split(",") if arm == "start" and args.start_evals else modes)}
     evals: dict[str, dict] = {}
     for (arm, mode), future in futures.items():
         evals.setdefault(arm, {})[mode] = future.result()
@@ -172,7 +174,8 @@ def main() -> None:
                 "drafter, at equal training-loop seconds, evaluated on every shipped suite",
         "command": f"python bench/on_policy.py --prep <prep> --start <export> --work <dir> --name {args.name} "
                    f"--opd-steps {args.opd_steps} --seed {args.seed} --num-prompts {args.num_prompts} "
-                   f"--evals {args.evals} --drafters {args.drafters} --jobs {args.jobs}",
+                   f"--evals {args.evals} --drafters {args.drafters} --jobs {args.jobs}"
+                   + (f" --start-evals {args.start_evals}" if args.start_evals else ""),
         "seed": args.seed,
         "schedule": SCHEDULE,
         "arms": {"supervised": {"overrides": ARMS["supervised"], **sup},
