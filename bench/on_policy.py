@@ -3,11 +3,14 @@
 supervised drafter, evaluated on every shipped suite with intervals. One quiet run per arm:
 
     python bench/on_policy.py --prep <prep dir> --start <export of a supervised drafter> --work <dir> \
-        --name demo [--opd-steps 60 --seed 0 --num-prompts 10]     # resumable: a finished stage is read back
+        --name demo [--opd-steps 60 --temperature 0 --seed 0 --num-prompts 10]   # resumable: a finished stage is
+                                                                                  # read back
 
   on_policy   --opd-steps optimizer steps of `+exp=eagle3_opd` from --start (train.init_from): the prep's train
-              prompts rolled out by the drafter against the target in each rank (chains of 3, greedy, 64 new
-              tokens, the rollout drafter refreshed every 10 steps), trained on the drafting they visited
+              prompts rolled out by the drafter against the target in each rank (chains of 3, 64 new tokens, at
+              --temperature: 0 greedy, the chains replayed along the target's greedy text; > 0 sampled by
+              speculative decoding; the rollout drafter refreshed every 10 steps), trained on the drafting they
+              visited
   supervised  `+exp=eagle3_demo` (the demo's supervised recipe, K=2, offline shards) from --start, for as many steps
               as fill the on-policy arm's training-loop seconds (from a short timing run of the same recipe)
 Both: 2 ranks (ZeRO-3, 1 thread each), global batches of 4, lr 2e-4 (wsd: warmup 5, decay over the last half to a
@@ -44,7 +47,8 @@ ARMS = {
     "on_policy": ["+exp=eagle3_opd", "train.on_policy.max_new_tokens=64"],
 }
 EVALS = {  # name: launch/eval.py overrides
-    # 16 nodes a verify: 60 (eval's default) costs ~30 s a prompt on 2 CPU cores, 5x the decoding of 16
+    # 16 nodes a verify, not eval's default 60: a prompt decodes in ~7 s on 2 CPU cores with 16 (the 180 prompts of
+    # an arm in ~20 min); 60 took ~34 s a prompt, though while other jobs shared the cores
     "tree_t0": ["prompts=all", "decode.mode=tree", "decode.depth=6", "decode.topk=8", "decode.total_tokens=16"],
     "chain_t0_mtbench": ["prompts=mtbench", "decode.mode=chain", "decode.depth=3"],
     "chain_t1_mtbench": ["prompts=mtbench", "decode.mode=chain", "decode.depth=3", "decode.temperature=1.0"],
@@ -61,14 +65,14 @@ def run(cmd: list[str], log: Path, threads: int) -> float:
     return time.perf_counter() - start
 
 
-def train(out: Path, prep: Path, start: Path, arm: str, steps: int, seed: int) -> dict:
+def train(out: Path, prep: Path, start: Path, arm: str, steps: int, seed: int, extra: tuple[str, ...] = ()) -> dict:
     """One arm's run (skipped when out/summary.json says it finished); what its summary says."""
     summary = out / "summary.json"
     if not (summary.exists() and json.loads(summary.read_text())["finished"]):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
                str(ROOT / "launch" / "train.py"), *ARMS[arm], *SCHEDULE, f"data.dir={prep}", f"out_dir={out}",
                f"train.init_from={start}", f"train.max_steps={steps}", "train.epochs=100", f"train.seed={seed}",
-               "train.overwrite=true"]
+               "train.overwrite=true", *extra]
         run(cmd, out.with_suffix(".log"), 1)
     s = json.loads(summary.read_text())
     data = s["data"]
@@ -136,6 +140,7 @@ def main() -> None:
     p.add_argument("--work", required=True, help="where the runs and reports go (outside the work tree)")
     p.add_argument("--name", required=True)
     p.add_argument("--opd-steps", type=int, default=60)
+    p.add_argument("--temperature", type=float, default=0.0, help="the rollouts' (train.on_policy.temperature)")
     p.add_argument("--timing-steps", type=int, default=20, help="the supervised recipe's timing run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-prompts", type=int, default=10, help="first turns per category")
@@ -147,7 +152,8 @@ def main() -> None:
     work, prep, start = Path(args.work), Path(args.prep).resolve(), Path(args.start).resolve()
     work.mkdir(parents=True, exist_ok=True)
 
-    arms = {"on_policy": train(work / "on_policy", prep, start, "on_policy", args.opd_steps, args.seed)}
+    rollouts = (f"train.on_policy.temperature={args.temperature}",)
+    arms = {"on_policy": train(work / "on_policy", prep, start, "on_policy", args.opd_steps, args.seed, rollouts)}
     timing = train(work / "supervised_timing", prep, start, "supervised", args.timing_steps, args.seed)
     per_step = timing["loop_s"] / timing["steps"]
     sup_steps = max(1, round(arms["on_policy"]["loop_s"] / per_step))
@@ -173,18 +179,19 @@ def main() -> None:
         "what": "the on-policy stage (train.on_policy) against continued supervised training from one supervised "
                 "drafter, at equal training-loop seconds, evaluated on every shipped suite",
         "command": f"python bench/on_policy.py --prep <prep> --start <export> --work <dir> --name {args.name} "
-                   f"--opd-steps {args.opd_steps} --seed {args.seed} --num-prompts {args.num_prompts} "
+                   f"--opd-steps {args.opd_steps} --temperature {args.temperature} --seed {args.seed} --num-prompts {args.num_prompts} "
                    f"--evals {args.evals} --drafters {args.drafters} --jobs {args.jobs}"
                    + (f" --start-evals {args.start_evals}" if args.start_evals else ""),
         "seed": args.seed,
         "schedule": SCHEDULE,
         "arms": {"supervised": {"overrides": ARMS["supervised"], **sup},
-                 "on_policy": {"overrides": ARMS["on_policy"], **opd}},
+                 "on_policy": {"overrides": [*ARMS["on_policy"], *rollouts], **opd}},
         "compute_ratio": opd["loop_s"] / sup["loop_s"],
         "cost": {"supervised_step_s": sup["loop_s"] / sup["steps"], "on_policy_step_s": opd["loop_s"] / opd["steps"],
                  "rollout_s_per_sample": opd["rollouts"]["rollout_s"] / max(opd["rollouts"]["rollouts"], 1),
                  "definition": "training-loop seconds per optimizer step of 4 samples (2 ranks); a rollout's "
-                               "seconds (drafting + the target's verify forwards), per sample"},
+                               "seconds per sample (greedy: the target's generation and the chains' replay; "
+                               "sampled: speculative decoding), its capture not included"},
         "evals": evals,
         "eval_settings": {m: EVALS[m] + ["decode.max_new_tokens=64", "decode.max_turns=1",
                                          f"decode.num_prompts={args.num_prompts}"] for m in modes},

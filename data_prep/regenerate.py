@@ -257,22 +257,33 @@ class HFBackend(TemplateBackend):
 
     def _generate_ids(self, prompts: list[list[int]], params: SamplingParams,
                       stop: list[int]) -> list[tuple[list[int], bool]]:
-        import torch
-
-        width = max(len(ids) for ids in prompts)
-        device = next(self.model.parameters()).device
-        input_ids = torch.tensor([[self.pad_id] * (width - len(ids)) + ids for ids in prompts], device=device)
-        attn = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=device)
-        sample = params.temperature > 0
-        gen_kw = dict(max_new_tokens=params.max_new_tokens, do_sample=sample, eos_token_id=stop,
-                      pad_token_id=self.pad_id, use_cache=True)
-        if sample:
-            gen_kw.update(temperature=params.temperature, top_p=params.top_p)
-        gen_kw.update(self.generate_kwargs)
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=input_ids, attention_mask=attn, **gen_kw)
-        rows = [out[row, width:].tolist() for row in range(len(prompts))]
+        rows = hf_generate_ids(self.model, prompts, params.max_new_tokens, stop, self.pad_id, params.temperature,
+                               params.top_p, **self.generate_kwargs)
         return [(ids, not any(t in stop for t in ids)) for ids in rows]  # no stop token: cut at max_new_tokens
+
+
+def hf_generate_ids(model, prompts: list[list[int]], max_new_tokens: int, stop: Sequence[int], pad_id: int,
+                    temperature: float = 0.0, top_p: float = 1.0, **generate_kwargs) -> list[list[int]]:
+    """Each prompt's generated ids from ONE left-padded, batched `model.generate` with a KV cache (greedy at
+    temperature 0), cut after its first `stop` id (kept); `generate_kwargs` go to generate as they are (e.g.
+    synced_gpus for a ZeRO-3-partitioned model)."""
+    import torch
+
+    width = max(len(ids) for ids in prompts)
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in prompts], device=device)
+    attn = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=device)
+    sample = temperature > 0
+    gen_kw = dict(max_new_tokens=max_new_tokens, do_sample=sample, eos_token_id=list(stop),
+                  pad_token_id=pad_id, use_cache=True)
+    if sample:
+        gen_kw.update(temperature=temperature, top_p=top_p)
+    gen_kw.update(generate_kwargs)
+    with torch.inference_mode():
+        out = model.generate(input_ids=input_ids, attention_mask=attn, **gen_kw)
+    rows = [out[row, width:].tolist() for row in range(len(prompts))]
+    cuts = [next((j + 1 for j, t in enumerate(ids) if t in stop), len(ids)) for ids in rows]
+    return [ids[:cut] for ids, cut in zip(rows, cuts)]
 
 
 class VLLMBackend(TemplateBackend):

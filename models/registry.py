@@ -51,9 +51,12 @@ class DrafterFamily:
     block_drafting: bool = False  # drafts a fixed block per verify: decode.depth / topk / total_tokens unused
     # vLLM's --speculative-config method for its exports, where eval/engine.py checks and serves them; None: not checked
     vllm_method: str | None = None
-    # "module:function": lossless speculative decoding of one prompt with chains of its drafts against an HF target
-    # (eval/spec_decode.py chain_rollout): the on-policy stage's rollouts (train/on_policy.py); None: no such stage
+    # The on-policy stage's rollouts (train/on_policy.py, train/rollout.py); None: no such stage. "module:function":
+    # rollout: lossless speculative decoding of one prompt with chains of its drafts against an HF target, the sampled
+    # rollouts (eval/spec_decode.py chain_rollout); greedy_drafts: its teacher-forced greedy drafts per (step,
+    # position) of a batch, from which the greedy rollouts' verify cycles are replayed (train/ttt.py greedy_drafts)
     rollout: str | None = None
+    greedy_drafts: str | None = None
 
     def _load(self, name: str) -> ModuleType:
         return importlib.import_module(name)
@@ -75,6 +78,12 @@ class DrafterFamily:
         if self.rollout is None:
             raise ValueError(f"{self.label} drafters have no on-policy rollouts")
         return self._attribute(self.rollout)
+
+    @property
+    def greedy_drafts_fn(self):
+        if self.greedy_drafts is None:
+            raise ValueError(f"{self.label} drafters have no on-policy rollouts")
+        return self._attribute(self.greedy_drafts)
 
     @property
     def config_cls(self) -> type:
@@ -116,6 +125,7 @@ FAMILIES: dict[str, DrafterFamily] = {
         label="EAGLE-3",
         levers=("draft_vocab_size", "lm_head_init", "freeze_lm_head", "norm_init", "fc_norm", "norm_output"),
         sequence_parallel=True, draft_vocab=True, vllm_method="eagle3", rollout="eval.spec_decode:chain_rollout",
+        greedy_drafts="train.ttt:greedy_drafts",
     ),
     "eagle1": DrafterFamily(
         "eagle1", "models.eagle1", "Eagle1Config", "Eagle1Drafter",

@@ -1,7 +1,9 @@
 """On-policy rollouts (train/rollout.py) and the loss on what they visited (Batch.draft_steps in train/ttt.py):
 a rollout is lossless (its tokens are plain greedy decoding of the target), the positions it records as rejected
-are exactly those a scripted drafter got wrong and the target verified, and the loss over a rollout's batch is the
-target's distribution against the drafter's at exactly the (anchor, step) pairs inference visited, by hand."""
+are exactly those a scripted drafter got wrong and the target verified, a greedy rollout replayed along the target's
+plain greedy text (greedy_accepts over the drafter's teacher-forced drafts) records the very cycles real chain
+decoding does, and the loss over a rollout's batch is the target's distribution against the drafter's at exactly
+the (anchor, step) pairs inference visited, by hand."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from eval.spec_decode import SpecSettings, SpeculativeDecoder, plain_generate
 from eval.target import TargetRunner
 from eval.tree import chain_tree
 from train.batch import collate
-from train.rollout import Rollout, rollout
+from train.rollout import Rollout, greedy_accepts, rollout
 from train.ttt import TTTSettings, ttt_loss, unroll
 
 torch.set_num_threads(1)
@@ -113,6 +115,61 @@ def test_rejections_are_exactly_the_scripted_drafters_wrong_drafts(pair) -> None
     for p in expected:  # each rejected draft is the last step its cycle visited: step p - t - 2 from anchor t
         t = max(a for a, _ in r.cycles() if a + 2 <= p)
         assert visited[t] == p - t - 1
+
+
+def test_greedy_accepts_walks_the_chains_by_hand() -> None:
+    """Prompt of 3 (anchor 2), depth 3, 12 tokens: drafts from anchor 2 match tokens 4 and 5, not 6 (j=2); from 5
+    none (j=0); from 6 tokens 8 and 9, not 10 (j=2); from 9 the one token left (11): the last cycle counts what it
+    reaches. Accepting all three from 6 instead ends the rollout there: anchor 10's bonus is the last token."""
+    tokens = list(range(100, 112))
+    drafts = torch.full((DEPTH, 12), -1)
+    drafts[0, 2], drafts[1, 2] = 104, 105
+    drafts[:2, 6] = torch.tensor([108, 109])
+    drafts[:, 9] = torch.tensor([111, 112, 113])
+    got = greedy_accepts(tokens, 3, drafts, DEPTH)
+    assert got == [2, 0, 2, 1]
+    assert Rollout(3, tokens, got, DEPTH).cycles() == [(2, 2), (5, 0), (6, 2), (9, 1)]
+    drafts[2, 6] = 110
+    assert greedy_accepts(tokens, 3, drafts, DEPTH) == [2, 0, 3]
+    assert greedy_accepts(tokens[:4], 3, drafts, DEPTH) == []  # only the prefill's token: no verify cycle
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_replayed_greedy_rollout_records_the_cycles_chain_decoding_does(seed: int) -> None:
+    """Real chain decoding at T=0 (the family's rollout function) against the replay: the target's plain greedy
+    text, one capture, the drafter's teacher-forced drafts, greedy_accepts. Same tokens, same accepted lengths
+    (the last cycle's up to what the text reaches), with a drafter that accepts often and misses often."""
+    from tiny_models import permutation_pair
+
+    from data_prep.capture import HiddenStateCapture
+    from models.registry import family
+
+    target, drafter, _ = permutation_pair(vocab=16, hidden=32, noise=0.25, seed=seed)
+    runner = TargetRunner(target, drafter.tap_layers)
+    decode, drafts_of = family("eagle3").rollout_fn, family("eagle3").greedy_drafts_fn
+    accepted = cycles = 0
+    for prompt in PROMPTS:
+        prompt = [t % 16 for t in prompt]
+        real = rollout(lambda ids, n: decode(target, drafter, ids, n, DEPTH), prompt, 40, DEPTH)
+        tokens = [*prompt, *plain_generate(runner, prompt, 40, GREEDY).output_ids]
+        assert real.tokens == tokens
+        with HiddenStateCapture(target, drafter.tap_layers) as capture:
+            taps = capture(torch.tensor([tokens]), torch.ones(1, len(tokens), dtype=torch.long)).taps[0]
+
+        class Captured:  # what collate reads of a shard sample
+            input_ids, loss_mask, teacher_hidden = torch.tensor(tokens), Rollout(len(prompt), tokens, [],
+                                                                                 DEPTH).loss_mask(), None
+
+        Captured.taps = taps
+        drafts = drafts_of(drafter, collate([Captured]), DEPTH)[0]
+        replayed = greedy_accepts(tokens, len(prompt), drafts, DEPTH)
+        assert replayed[:-1] == real.accept_lengths[:-1] and len(replayed) == len(real.accept_lengths)
+        assert replayed[-1] <= real.accept_lengths[-1]
+        assert Rollout(len(prompt), tokens, replayed, DEPTH).draft_steps()[:-DEPTH - 1].tolist() == \
+            real.draft_steps()[:-DEPTH - 1].tolist()
+        accepted, cycles = accepted + sum(real.accept_lengths), cycles + len(real.accept_lengths)
+    print(f"{cycles} cycles, {accepted} drafts accepted")
+    assert cycles > 20 and 0.3 < accepted / (DEPTH * cycles) < 0.9  # the comparison sees hits and misses
 
 
 def _hand_loss(drafter, head, batch, settings: TTTSettings) -> torch.Tensor:

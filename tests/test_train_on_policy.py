@@ -3,8 +3,9 @@
 On a real prep of the tiny 8-layer target (conftest's tiny_prep_dir), from the export of a short supervised run
 (train.init_from): the run logs its rollouts (rollout_*, replay_*), trains only the pairs they visited, refreshes
 the rollout drafter from the trained weights at its interval and keeps it in every checkpoint; stopped between two
-refreshes and resumed it is the uninterrupted run bit for bit; 2 processes match 1. What the stage cannot run with
-is refused before training."""
+refreshes and resumed it is the uninterrupted run bit for bit; 2 processes match 1, and so do 2 processes whose
+target is partitioned (zero3) or split (tp) over them, generating in lockstep. The sampled rollouts (temperature > 0)
+run too. What the stage cannot run with is refused before training."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ OPD = ["train.on_policy.enabled=true", "train.on_policy.max_new_tokens=12", "tra
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_prep_dir: Path) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("on_policy")
-    r = {k: base / k for k in ("supervised", "opd", "stopped", "two")}
+    r = {k: base / k for k in ("supervised", "opd", "stopped", "two", "zero3", "tp", "sampled")}
     train_in_one_process(tiny_prep_dir, common=ONLINE_COMMON, jobs=[
         (r["supervised"], [*FOUR, "data.source=online", "train.export=true"]),
     ])
@@ -47,6 +48,12 @@ def runs(tmp_path_factory, tiny_prep_dir: Path) -> dict[str, Path]:
         (r["stopped"], [*FOUR, *OPD, start, "train.resume=true"]),
     ])
     torchrun(r["two"], tiny_prep_dir, *FOUR, *OPD, start, common=ONLINE_COMMON)
+    for placement in ("zero3", "tp"):
+        torchrun(r[placement], tiny_prep_dir, *FOUR, *OPD, start, f"data.target_placement={placement}",
+                 common=ONLINE_COMMON)
+    train_in_one_process(tiny_prep_dir, common=ONLINE_COMMON, jobs=[
+        (r["sampled"], ["train.max_steps=2", *OPD, start, "train.on_policy.temperature=1.0"]),
+    ])
     return r
 
 
@@ -109,14 +116,43 @@ def test_two_processes_match_one_on_policy(runs) -> None:
         torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=WEIGHT_ATOL)
 
 
-@pytest.mark.parametrize("change, why", [
-    ({"source": "offline"}, "data.source=offline"),
-    ({"target_placement": "zero3"}, "data.target_placement=zero3"),
-    ({"overflow": "split"}, "data.overflow=split"),
+@pytest.mark.parametrize("placement", ["zero3", "tp"])
+def test_a_partitioned_or_split_target_rolls_out_what_a_whole_copy_does(runs, placement: str) -> None:
+    """Greedy rollouts with the target's weights partitioned (zero3) or split (tp) over 2 ranks: generated in one
+    batched call a step in lockstep, captured in one batched forward. The same rollouts as whole copies (every
+    counter), and the losses to the fp32 rounding that padding and the split reductions move (as online training's
+    placements agree)."""
+    one, other = records(runs["two"], "train"), records(runs[placement], "train")
+    assert sorted(other) == sorted(one)
+    for step in one:
+        for key in ("rollouts", "rollout_new_tokens", "rollout_cycles", "rollout_accepted", "replay_pairs",
+                    "replay_rejected"):
+            assert other[step][key] == one[step][key], (step, key)
+    assert_close_curves(runs[placement], runs["two"], rtol=1e-5)
+    summary = records(runs[placement], "summary")[4]["data"]
+    assert summary["rollouts"] == 8 and summary["target_forwards"] == 4  # rank 0's: one batched capture a step
+
+
+def test_sampled_rollouts_decode_in_the_rank(runs) -> None:
+    train = records(runs["sampled"], "train")
+    assert sorted(train) == [1, 2]
+    for rec in train.values():
+        assert rec["rollouts"] == 2 and 0 < rec["rollout_new_tokens"] <= 2 * 12 and rec["rollout_cycles"] >= 1
+
+
+@pytest.mark.parametrize("change, temperature, why", [
+    ({"source": "offline"}, 0.0, "data.source=offline"),
+    ({"source": "hybrid"}, 0.0, "data.source=hybrid"),
+    ({"target_placement": "zero3"}, 1.0, "temperature=1.0 with data.target_placement=zero3"),
+    ({"target_placement": "tp"}, 0.5, "temperature=0.5 with data.target_placement=tp"),
+    ({"source": "vllm"}, 1.0, "temperature=1.0 with data.source=vllm"),
+    ({"overflow": "split"}, 0.0, "data.overflow=split"),
 ])
-def test_what_rollouts_cannot_run_with_is_refused(tiny_prep_dir: Path, change: dict, why: str) -> None:
+def test_what_rollouts_cannot_run_with_is_refused(tiny_prep_dir: Path, change: dict, temperature: float,
+                                                  why: str) -> None:
     cfg = RunConfig(out_dir="unused", data=DataConfig(**{"dir": str(tiny_prep_dir), "source": "online", **change}),
                     train=TrainConfig(ttt_steps=3))
     cfg.train.on_policy.enabled = True
+    cfg.train.on_policy.temperature = temperature
     with pytest.raises(ConfigError, match=rf"train.on_policy.enabled=true: .*{why}"):
         cfg.validate(1)

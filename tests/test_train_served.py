@@ -9,7 +9,9 @@ On a prep of the tiny 8-layer target captured by the stand-in server (capture.en
       the checkpoints intact, and the rerun resumes to the same losses; a server that hangs stops it within
       vllm.timeout_s;
   (d) the user's server (vllm.urls) feeds the same run;
-  (e) what would fail later fails before any server starts.
+  (e) what would fail later fails before any server starts;
+  (f) the on-policy stage (train.on_policy, greedy) rolls out on the server: the rollouts and losses of the same
+      stage with the target in the ranks.
 """
 
 from __future__ import annotations
@@ -205,6 +207,29 @@ def test_the_users_server_feeds_the_same_run(tmp_path: Path, prep: Path, standin
             del os.environ["OPENAI_API_KEY"]
     assert_close_curves(tmp_path / "user", ref, RTOL)
     assert not list((tmp_path / "user").glob("vllm.node*.log"))  # training started none
+
+
+def test_on_policy_rollouts_on_the_server_are_the_ranks_rollouts(tmp_path: Path, prep: Path, standin: str,
+                                                                 monkeypatch) -> None:
+    """(f) train.on_policy with data.source=vllm on 2 ranks: each rollout is a greedy request and a capture request
+    to the server, its chains replayed in the rank; every rollout counter is the one of the same stage with the
+    target in 1 process (data.source=online), the losses within RTOL (the server's features)."""
+    log = tmp_path / "standin.log"
+    monkeypatch.setenv("STANDIN_LOG", str(log))
+    opd = ["train.max_steps=4", "train.on_policy.enabled=true", "train.on_policy.max_new_tokens=12",
+           "train.on_policy.depth=3", "train.on_policy.refresh_interval=2"]
+    train_in_one_process(prep, [(tmp_path / "online", [*opd, "data.source=online"])], common=ONLINE_COMMON)
+    torchrun(tmp_path / "served", prep, *opd, *served(standin, tmp_path / "scratch"), common=ONLINE_COMMON)
+    one, other = records(tmp_path / "online", "train"), records(tmp_path / "served", "train")
+    assert sorted(other) == sorted(one) == [1, 2, 3, 4]
+    for step in one:
+        for key in ("rollouts", "rollout_new_tokens", "rollout_cycles", "rollout_accepted", "replay_pairs"):
+            assert other[step][key] == one[step][key], (step, key)
+    assert_close_curves(tmp_path / "served", tmp_path / "online", RTOL)
+    requests = log.read_text().splitlines()
+    assert sum(line.startswith("generate") for line in requests) == 8  # one greedy request a rollout
+    summary = json.loads((tmp_path / "served" / "summary.json").read_text())["data"]
+    assert summary["source"] == "on_policy" and summary["rollouts"] == 8
 
 
 def test_hybrid_from_vllm_writes_epoch_0_then_reads_its_shards(tmp_path: Path, prep: Path, standin: str,

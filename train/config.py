@@ -518,8 +518,8 @@ class RunConfig:
 
 
     def _validate_on_policy(self) -> None:
-        """train.on_policy: its ranges, and what its rollouts need (the target in the ranks, a drafter that drafts
-        chains, whole samples)."""
+        """train.on_policy: its ranges, and what its rollouts need (a target in the ranks or on vLLM's servers; for
+        sampled rollouts a whole copy in the rank; a drafter that drafts chains; whole samples)."""
         op, d, t = self.train.on_policy, self.data, self.train
         for key in ("depth", "max_new_tokens", "refresh_interval"):
             if getattr(op, key) < 1:
@@ -531,14 +531,19 @@ class RunConfig:
         from models.registry import family
 
         fam = family(self.model.method)
+        sampled = op.temperature > 0
         need = [
             (fam.rollout is None, f"model.method={self.model.method}: {fam.label} drafters have no rollouts "
              "(model.method=eagle3)"),
-            (d.source != "online", f"data.source={d.source}: rollouts verify with the target in the ranks "
-             "(data.source=online)"),
-            (d.target_placement != "replicate", f"data.target_placement={d.target_placement}: a rank's rollouts "
-             "run their own number of target forwards, which a ZeRO-3 or tensor-parallel target cannot "
-             "(data.target_placement=replicate)"),
+            (d.source not in ("online", "vllm"), f"data.source={d.source}: rollouts run against the target in the "
+             "ranks or on vLLM's servers (data.source=online or vllm)"),
+            (sampled and d.source == "vllm", f"train.on_policy.temperature={op.temperature} with data.source=vllm: "
+             "sampled rollouts decode speculatively with the target in the rank (data.source=online, or "
+             "train.on_policy.temperature=0)"),
+            (sampled and d.source == "online" and d.target_placement != "replicate",
+             f"train.on_policy.temperature={op.temperature} with data.target_placement={d.target_placement}: a "
+             "sampled rollout runs its own number of target forwards, which a ZeRO-3 or tensor-parallel target "
+             "cannot (data.target_placement=replicate, or train.on_policy.temperature=0)"),
             (d.overflow != "truncate", "data.overflow=split: a rollout is one window (data.overflow=truncate)"),
             (d.loss_tokens != "assistant", "data.loss_tokens=all: a rollout trains its continuation only"),
             (self.deepspeed.sequence_parallel_size > 1, "deepspeed.sequence_parallel_size > 1: not with rollouts"),

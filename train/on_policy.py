@@ -3,12 +3,20 @@ the target wrote alone.
 
 `OnPolicySamples` is a sample source (train/online.py's interface: train/data.py's sampler, cursor, collate and the
 train loop are unchanged). Sample i is a rollout of prep's rendered sample i's first prompt (its tokens before the
-first loss-masked one): the *rollout drafter* drafts chains of train.on_policy.depth tokens, the frozen target in this
-rank verifies them (train/rollout.py: lossless, so the continuation is the target's), then one target forward over
-prompt + continuation gives the taps and the exact teacher, as online training captures any sample. The sample
-carries `draft_steps`, the (anchor, TTT step) pairs the rollout visited, so the TTT loss replays exactly that drafting
-with the drafter being trained, against the target's distribution there: on the accepted proposals and at each
-rejected one (train/ttt.py target_rows).
+first loss-masked one) by the *rollout drafter* in chains of train.on_policy.depth drafts against the target
+(train/rollout.py: lossless, so the continuation is the target's), then the target's taps and exact teacher over
+prompt + continuation, captured as the run captures any sample. The sample carries `draft_steps`, the (anchor, TTT
+step) pairs the rollout visited, so the TTT loss replays exactly that drafting with the drafter being trained, against
+the target's distribution there: on the accepted proposals and at each rejected one (train/ttt.py target_rows).
+
+The target is where the run's source has it (`RolloutTarget`): in the ranks (data.source=online, any
+data.target_placement) or on vLLM's servers (data.source=vllm). Greedy rollouts (temperature 0) need of it only
+plain greedy generation and the capture: the continuation is the target's greedy text whatever the drafter proposes,
+and the chains are replayed along it from the rollout drafter's teacher-forced drafts (train/rollout.py
+greedy_accepts), in the rank. So every rank of a ZeRO-3 or tensor-parallel target runs the same forwards
+(generation in lockstep, one batched call a step), and a server answers two plain requests a rollout. Sampled
+rollouts (temperature > 0) decode speculatively in the rank with a whole copy of the target (data.target_placement=
+replicate): which tokens come out depends on the drafts.
 
 The rollout drafter is a frozen copy of the trained one, refreshed from the trained weights every
 train.on_policy.refresh_interval optimizer steps (`refresh`, collective); its weights and the step they are from are
@@ -31,8 +39,9 @@ from torch import Tensor, nn
 
 from data_prep.rendered import Rendered
 from data_prep.shards import Sample, as_read_back
+from train.batch import collate
 from train.config import OnPolicyConfig
-from train.rollout import Rollout, rollout
+from train.rollout import Rollout, greedy_accepts, rollout
 
 ROLLOUT_PREFIX = "rollout/"  # the rollout drafter's tensors in a checkpoint's model.safetensors
 # Per-step statistics (summed over the ranks between two log lines): metrics.jsonl's rollout_* and replay_*.
@@ -53,32 +62,171 @@ def prompt_length(loss_mask: Tensor) -> int:
     return int(hits[0, 0]) if hits.numel() else 0
 
 
-class OnPolicySamples:
-    """The train split's prompts rolled out with the rollout drafter (see the module docstring). `online`: the
-    split's OnlineSamples (its rendered samples and frozen target); `stop_ids`: the target's end-of-turn / EOS ids."""
+class RolloutTarget:
+    """The target the rollouts run against, where the run's source has it: `generate` (greedy continuations) and
+    `capture` (shard samples, as read back) are what greedy rollouts ask of it; `model` (a whole HF copy in this
+    rank, else None) is what sampled ones decode with."""
 
-    def __init__(self, online, settings: OnPolicyConfig, max_len: int, seed: int, stop_ids: tuple[int, ...]):
-        self.online, self.settings, self.max_len, self.seed = online, settings, max_len, seed
+    model: nn.Module | None = None
+
+    def generate(self, prompts: list[list[int]], budgets: list[int], stop: tuple[int, ...]) -> list[list[int]]:
+        raise NotImplementedError
+
+    def capture(self, rendered: list[Rendered]) -> list[Sample]:
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        raise NotImplementedError
+
+
+class RankTarget(RolloutTarget):
+    """The frozen target of online training (train/online.py OnlineSamples: its FrozenTarget, placed per
+    data.target_placement). A whole copy generates and captures sample by sample (unpadded, as online training
+    captures: a rollout is a function of its prompt and drafter alone, whatever the batch or world size); a
+    partitioned or split one in ONE batched call per step on every rank, what keeps their collectives in step."""
+
+    def __init__(self, online):
+        self.online, self.frozen = online, online.target
+        self.batched = online.batched
+        self.model = self.frozen.model if not self.batched else None
+        tok = self.frozen.tokenizer
+        pad = None if tok is None else (tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+        self.pad_id = 0 if pad is None else int(pad)  # left padding, masked out
+        self._own_head: nn.Module | None = None
+
+    def generate(self, prompts: list[list[int]], budgets: list[int], stop: tuple[int, ...]) -> list[list[int]]:
+        from data_prep.regenerate import hf_generate_ids
+
+        model = self.frozen.model
+        if not self.batched:
+            return [hf_generate_ids(model, [p], n, stop, self.pad_id)[0] if n > 0 else []
+                    for p, n in zip(prompts, budgets)]
+        mine = len(prompts)
+        if self.frozen.group is not None:  # tp: the group generates every rank's prompts, the same forwards
+            import torch.distributed as dist
+
+            parts: list = [None] * dist.get_world_size(self.frozen.group)
+            dist.all_gather_object(parts, (prompts, budgets), group=self.frozen.group)
+            before = sum(len(part[0]) for part in parts[: dist.get_rank(self.frozen.group)])
+            prompts, budgets = [p for part in parts for p in part[0]], [n for part in parts for n in part[1]]
+            rows = hf_generate_ids(model, prompts or [[self.pad_id]], max([*budgets, 1]), stop, self.pad_id)
+            return [row[:n] for row, n in zip(rows, budgets)][before : before + mine]
+        return self._lockstep_greedy(prompts, budgets, stop)
+
+    @torch.no_grad()
+    def _lockstep_greedy(self, prompts: list[list[int]], budgets: list[int], stop: tuple[int, ...]) -> list[list[int]]:
+        """Greedy decoding with a ZeRO-3-partitioned target: its decoder (the partitioning engine's module, whose
+        hooks gather each layer for its forward) with a KV cache, the next token from a whole copy of the LM head
+        (the engine leaves it out: capture never needs it); every rank runs forwards until every rank's rows have
+        ended, its own rows (or a one-token stand-in) each time."""
+        import torch.distributed as dist
+        from transformers import DynamicCache
+
+        from data_prep.capture import base_model
+
+        rows = prompts or [[self.pad_id]]
+        limits = budgets if prompts else [0]
+        width = max(len(p) for p in rows)
+        device = self.frozen.device
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in rows], device=device)
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=device)
+        pos = (attn.cumsum(-1) - 1).clamp_min(0)
+        lm_head = self._lm_head()
+        out: list[list[int]] = [[] for _ in rows]
+        done = [n < 1 for n in limits]
+        cache = DynamicCache()
+        while True:
+            hidden = base_model(self.frozen.model)(input_ids=ids, attention_mask=attn, position_ids=pos,
+                                                   past_key_values=cache, use_cache=True).last_hidden_state
+            nxt = lm_head(hidden[:, -1].to(lm_head.weight.dtype)).argmax(-1)
+            for b, token in enumerate(nxt.tolist()):
+                if not done[b]:
+                    out[b].append(token)
+                    done[b] = token in stop or len(out[b]) >= limits[b]
+            going = torch.tensor([0 if all(done) else 1], device=device)
+            dist.all_reduce(going, op=dist.ReduceOp.MAX)
+            if not int(going):
+                return out[: len(prompts)]
+            ids, pos = nxt[:, None], pos[:, -1:] + 1
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+
+    def _lm_head(self) -> nn.Module:
+        """The LM head: the compact teacher's whole copy where the target has one (FrozenTarget.head), else one
+        gathered once from the partitions (a collective: the first greedy call, on every rank at once)."""
+        if self.frozen.head is not None:
+            return self.frozen.head.lm_head
+        if self._own_head is None:
+            from models.target_head import TargetHead, final_norm
+            from train.engine import gathered
+
+            model = self.frozen.model
+            weight = model.get_output_embeddings().weight
+            with gathered([model.get_input_embeddings().weight, weight, *final_norm(model).parameters()]):
+                self._own_head = copy.deepcopy(TargetHead.from_hf_model(model).lm_head).to(self.frozen.device)
+        return self._own_head
+
+    def capture(self, rendered: list[Rendered]) -> list[Sample]:
+        forwards = [rendered] if self.batched else [[r] for r in rendered]
+        return [as_read_back(s, self.online.manifest) for part in forwards for s in self.frozen.samples(part)]
+
+    def stats(self) -> dict:
+        return self.online.stats()
+
+
+class ServedTarget(RolloutTarget):
+    """vLLM's servers of data.source=vllm (train/served.py ServedSamples): a greedy request per rollout, then the
+    capture request of prompt + continuation, as the run asks any sample's features."""
+
+    def __init__(self, served):
+        self.served = served
+
+    def generate(self, prompts: list[list[int]], budgets: list[int], stop: tuple[int, ...]) -> list[list[int]]:
+        asked = [i for i, n in enumerate(budgets) if n > 0]
+        rows = dict(zip(asked, self.served.features.generate([prompts[i] for i in asked],
+                                                              max((budgets[i] for i in asked), default=1), stop)))
+        out = []
+        for i, n in enumerate(budgets):
+            row = rows.get(i, [])
+            cut = next((j + 1 for j, t in enumerate(row) if t in stop), len(row))
+            out.append(row[: min(cut, n)])
+        return out
+
+    def capture(self, rendered: list[Rendered]) -> list[Sample]:
+        got = dict(self.served.features.stream(list(enumerate(rendered))))
+        return [as_read_back(got[i], self.served.manifest) for i in range(len(rendered))]
+
+    def stats(self) -> dict:
+        return self.served.stats()
+
+
+class OnPolicySamples:
+    """The train split's prompts rolled out with the rollout drafter (see the module docstring). `base`: the
+    split's source of the run (OnlineSamples or ServedSamples: its rendered samples), `target`: where its target
+    runs; `stop_ids`: the target's end-of-turn / EOS ids."""
+
+    def __init__(self, base, target: RolloutTarget, settings: OnPolicyConfig, max_len: int, seed: int,
+                 stop_ids: tuple[int, ...]):
+        self.base, self.target, self.settings, self.max_len, self.seed = base, target, settings, max_len, seed
         self.stop_ids = tuple(stop_ids)
-        self._prompts = [prompt_length(online.rendered[i].loss_mask) for i in range(len(online))]
+        self._prompts = [prompt_length(base.rendered[i].loss_mask) for i in range(len(base))]
         self.drafter: nn.Module | None = None
         self.drafter_step = 0  # the optimizer step whose weights the rollout drafter holds
         self.counts = dict.fromkeys(COUNTERS, 0.0)
         self.totals = dict.fromkeys(COUNTERS, 0.0)
-        self.captures, self.capture_tokens, self.capture_s = 0, 0, 0.0  # the target forwards over the rollouts
+        self.captures, self.capture_tokens, self.capture_s = 0, 0, 0.0  # the target's captures of the rollouts
 
     def __str__(self) -> str:
-        return f"{self.online.rendered.root} (on-policy rollouts of {self.online.rendered.spec.target.get('id')})"
+        return f"{self.base} rolled out on-policy"
 
     @property
     def manifest(self):
-        return self.online.manifest
+        return self.base.manifest
 
     def __len__(self) -> int:
-        return len(self.online)
+        return len(self.base)
 
     def sample_ids(self) -> list[str]:
-        return self.online.sample_ids()
+        return self.base.sample_ids()
 
     def lengths(self) -> list[int]:
         """Upper bounds (the sampler buckets by them): the prompt and max_new_tokens, cut at data.max_len."""
@@ -90,11 +238,11 @@ class OnPolicySamples:
         """The rollout drafter: a frozen copy of `drafter` (before the engine takes it) on this rank's device, with
         the weights of `state` (a checkpoint's, `state()`) where a run resumes."""
         self.drafter = copy.deepcopy(drafter).to(device=device, dtype=dtype).eval().requires_grad_(False)
-        if state:
-            self._load(state, step)
-        self.drafter_step = step
+        self.refresh(state or {}, step)
 
-    def _load(self, params: dict[str, Tensor], step: int) -> None:
+    def refresh(self, params: dict[str, Tensor], step: int) -> None:
+        """`params` (the trained weights, Engine.full_params(all_ranks=True), full fp32; or a checkpoint's) into the
+        rollout drafter, which then holds step `step`'s weights."""
         own = self.drafter.state_dict()
         unknown = sorted(set(params) - set(own))
         if unknown:
@@ -103,10 +251,6 @@ class OnPolicySamples:
             for name, value in params.items():
                 own[name].copy_(value.to(own[name].dtype))
         self.drafter_step = step
-
-    def refresh(self, params: dict[str, Tensor], step: int) -> None:
-        """The trained weights (Engine.full_params(all_ranks=True), full fp32) into the rollout drafter."""
-        self._load(params, step)
 
     def state(self) -> dict[str, Tensor]:
         """The rollout drafter's trained tensors for a checkpoint (the target's frozen ones are the prep's)."""
@@ -119,50 +263,92 @@ class OnPolicySamples:
 
     # -- samples --------------------------------------------------------------------------------------------------
     def _generator(self, sample_id: str) -> torch.Generator | None:
-        if self.settings.temperature <= 0:
-            return None
         digest = hashlib.sha256(f"{self.seed}/{sample_id}/{self.drafter_step}".encode()).digest()
         return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
-    def _rollout(self, i: int) -> Rollout:
+    def _plan(self, i: int) -> tuple[list[int], int]:
+        """Sample i's prompt and how many tokens its rollout may add within data.max_len (0: none, the prompt fills
+        it or the sample has no prompt: a rollout of its first token(s) without a loss row)."""
+        rendered = self.base.rendered[i]
+        prompt = rendered.input_ids[: self._prompts[i]].tolist()
+        if not prompt:
+            return rendered.input_ids[:1].tolist(), 0
+        return prompt[: self.max_len], max(min(self.settings.max_new_tokens, self.max_len - len(prompt)), 0)
+
+    def _sampled(self, distinct: list[int]) -> list[Rollout]:
+        """Speculative decoding at train.on_policy.temperature with the family's rollout function (in the rank)."""
         from models.registry import family_of_drafter
 
-        if self.drafter is None:
-            raise RuntimeError("OnPolicySamples.start() gives the rollout drafter before any sample is asked for")
-        rendered = self.online.rendered[i]
-        prompt = rendered.input_ids[: self._prompts[i]].tolist()
-        budget = min(self.settings.max_new_tokens, self.max_len - len(prompt))
-        if not prompt or budget < 1:  # nothing to roll out within data.max_len: a sample without a loss row
-            tokens = (prompt or rendered.input_ids[:1].tolist())[: self.max_len]
-            return Rollout(len(tokens), tokens, [], self.settings.depth)
-        generate = functools.partial(family_of_drafter(self.drafter).rollout_fn, self.online.target.model,
-                                     self.drafter, depth=self.settings.depth,
-                                     temperature=self.settings.temperature, eos_token_ids=self.stop_ids,
-                                     generator=self._generator(rendered.conversation_id))
-        return rollout(lambda ids, n: generate(ids, n), prompt, budget, self.settings.depth)
+        decode = family_of_drafter(self.drafter).rollout_fn
+        out = []
+        for i in distinct:
+            prompt, budget = self._plan(i)
+            if budget < 1:
+                out.append(Rollout(len(prompt), prompt, [], self.settings.depth))
+                continue
+            generator = self._generator(self.base.rendered[i].conversation_id)
+            generate = functools.partial(decode, self.target.model, self.drafter, depth=self.settings.depth,
+                                         temperature=self.settings.temperature, eos_token_ids=self.stop_ids,
+                                         generator=generator)
+            out.append(rollout(generate, prompt, budget, self.settings.depth))
+        return out
+
+    def _replayed(self, distinct: list[int], samples: list[Sample]) -> list[Rollout]:
+        """Greedy rollouts' verify cycles, replayed along the captured continuations with the rollout drafter."""
+        from models.registry import family_of_drafter
+
+        drafts_of = family_of_drafter(self.drafter).greedy_drafts_fn
+        device = next(self.drafter.parameters()).device
+        out = []
+        for i, sample in zip(distinct, samples):
+            drafts = drafts_of(self.drafter, collate([sample]).to(device), self.settings.depth)[0].cpu()
+            tokens, prompt_len = sample.input_ids.tolist(), len(self._plan(i)[0])
+            out.append(Rollout(prompt_len, tokens, greedy_accepts(tokens, prompt_len, drafts, self.settings.depth),
+                               self.settings.depth))
+        return out
+
+    def _capture(self, rendered: list[Rendered]) -> list[Sample]:
+        start = time.perf_counter()
+        got = self.target.capture(rendered)
+        self.capture_s += time.perf_counter() - start
+        self.captures += 1 if getattr(self.target, "batched", False) else len(rendered)  # forwards or requests
+        self.capture_tokens += sum(len(r.input_ids) for r in rendered)
+        return got
 
     def get_many(self, indices: list[int], owned: list[bool] | None = None) -> list[Sample]:
+        if self.drafter is None:
+            raise RuntimeError("OnPolicySamples.start() gives the rollout drafter before any sample is asked for")
         distinct = list(dict.fromkeys(indices))
-        made: dict[int, Sample] = {}
-        for i in distinct:
+        ids = [self.base.rendered[i].conversation_id for i in distinct]
+        start = time.perf_counter()
+        if self.settings.temperature > 0:
+            rollouts = self._sampled(distinct)
+            decode_s = time.perf_counter() - start
+            samples = self._capture([Rendered(c, torch.tensor(r.tokens), r.loss_mask()) for c, r in zip(ids, rollouts)])
+        else:
+            plans = [self._plan(i) for i in distinct]
+            continued = self.target.generate([p for p, _ in plans], [n for _, n in plans], self.stop_ids)
+            generate_s = time.perf_counter() - start
+            rendered = []
+            for c, (prompt, _), new in zip(ids, plans, continued):
+                mask = torch.zeros(len(prompt) + len(new), dtype=torch.bool)
+                mask[len(prompt):] = True
+                rendered.append(Rendered(c, torch.tensor([*prompt, *new]), mask))
+            samples = self._capture(rendered)
             start = time.perf_counter()
-            r = self._rollout(i)
-            self._count(r, time.perf_counter() - start)
-            start = time.perf_counter()
-            rendered = Rendered(self.online.rendered[i].conversation_id, torch.tensor(r.tokens), r.loss_mask())
-            (captured,) = self.online.target.samples([rendered])
-            self.capture_s += time.perf_counter() - start
-            self.captures, self.capture_tokens = self.captures + 1, self.capture_tokens + len(r.tokens)
-            plain = as_read_back(captured, self.manifest)
-            made[i] = RolloutSample(**{f: getattr(plain, f) for f in plain.__dataclass_fields__},
-                                    draft_steps=r.draft_steps())
+            rollouts = self._replayed(distinct, samples)
+            decode_s = generate_s + time.perf_counter() - start
+        made = {}
+        for i, r, sample in zip(distinct, rollouts, samples):
+            steps = r.draft_steps()
+            self._count(r, steps, decode_s / len(distinct))
+            made[i] = RolloutSample(**{f: getattr(sample, f) for f in sample.__dataclass_fields__}, draft_steps=steps)
         return [made[i] for i in indices]
 
     def __getitem__(self, i: int) -> Sample:
         return self.get_many([i])[0]
 
-    def _count(self, r: Rollout, seconds: float) -> None:
-        steps = r.draft_steps()
+    def _count(self, r: Rollout, steps: Tensor, seconds: float) -> None:
         add = {"rollouts": 1, "rollout_new_tokens": r.new_tokens, "rollout_cycles": len(r.accept_lengths),
                "rollout_accepted": sum(r.accept_lengths), "replay_pairs": int(steps.sum()),
                "replay_rejected": len(r.rejected_positions()), "rollout_s": seconds}
@@ -172,7 +358,7 @@ class OnPolicySamples:
 
     def take_counts(self) -> Tensor:
         """This rank's counters since the last call (float64 [len(COUNTERS)]), reset: the trainer adds them over
-        the ranks (`step_metrics`)."""
+        the ranks (then `window_metrics`)."""
         out = torch.tensor([self.counts[k] for k in COUNTERS], dtype=torch.float64)
         self.counts = dict.fromkeys(COUNTERS, 0.0)
         return out
@@ -192,10 +378,10 @@ class OnPolicySamples:
         self.totals = dict(zip(COUNTERS, counts.double().cpu().tolist()))
 
     def stats(self) -> dict:
-        """What the summary says of the source: this rank's target forwards that captured the rollouts' features
-        (besides the rollouts' own verify forwards, in rollout_s), the rollout counters (over every rank once the
-        trainer has set them, `set_run_totals`) and their `summary`."""
-        return {**self.online.stats(), "source": "on_policy", "target_forward_s": self.capture_s,
+        """What the summary says of the source: this rank's target captures of the rollouts (besides the rollouts'
+        own generation or verify forwards, in rollout_s), the rollout counters (over every rank once the trainer has
+        set them, `set_run_totals`) and their `summary`."""
+        return {**self.target.stats(), "source": "on_policy", "target_forward_s": self.capture_s,
                 "target_forward_tokens": self.capture_tokens, "target_forwards": self.captures, **self.totals,
                 **summary(self.totals), "rollout_drafter_step": self.drafter_step}
 
@@ -213,11 +399,29 @@ def summary(counts: dict[str, float]) -> dict:
             "replay_pairs_per_token": counts["replay_pairs"] / tokens}
 
 
-def on_policy_source(cfg, online) -> OnPolicySamples:
-    """The train split's source of a run with train.on_policy.enabled: `online` (its OnlineSamples) rolled out; the
-    rollouts stop where the target's reply does (`stop_token_ids`)."""
+def on_policy_source(cfg, base) -> OnPolicySamples:
+    """The train split's source of a run with train.on_policy.enabled: `base` (its OnlineSamples, or ServedSamples
+    with data.source=vllm) rolled out against the target where `base` has it; the rollouts stop where the target's
+    reply does (`stop_token_ids`: its generation config's and tokenizer's EOS, its chat template's end of turn)."""
     from data_prep.chat import stop_token_ids
+    from train.served import ServedSamples
 
-    target = online.target
-    stop = stop_token_ids(target.model, target.tokenizer) if target.tokenizer is not None else ()
-    return OnPolicySamples(online, cfg.train.on_policy, cfg.data.max_len, cfg.train.seed, stop)
+    if isinstance(base, ServedSamples):
+        from types import SimpleNamespace
+
+        from transformers import GenerationConfig
+
+        from data_prep.targets import load_tokenizer, model_path, resolve_target
+
+        source = base.rendered.target_source
+        preset = resolve_target(cfg.data.target or source.model)
+        try:
+            generation = GenerationConfig.from_pretrained(model_path(preset))
+        except OSError:  # no generation_config.json: the tokenizer's EOS and the template's end of turn
+            generation = None
+        stop = stop_token_ids(SimpleNamespace(generation_config=generation),
+                              load_tokenizer(preset, source.chat_template))
+        return OnPolicySamples(base, ServedTarget(base), cfg.train.on_policy, cfg.data.max_len, cfg.train.seed, stop)
+    frozen = base.target
+    stop = stop_token_ids(frozen.model, frozen.tokenizer) if frozen.tokenizer is not None else ()
+    return OnPolicySamples(base, RankTarget(base), cfg.train.on_policy, cfg.data.max_len, cfg.train.seed, stop)

@@ -1,10 +1,16 @@
 """On-policy rollouts (Draft-OPD, docs/method.md): the current drafter drafts, the target verifies, and the record
 of which proposals the target kept says which (anchor, TTT step) pairs inference visited and where it rejected.
 
-A rollout is lossless speculative decoding with chain drafting (the family's `rollout`, models/registry.py;
-eval/spec_decode.py chain_rollout for EAGLE-3): every token of the
-continuation is the target's (greedy: its argmax; sampled: the lossless rule), so the sequence stays on the target's
-distribution whatever the drafter proposes, and equals plain decoding of the target at T=0.
+A rollout is lossless speculative decoding with chain drafting: every token of the continuation is the target's
+(greedy: its argmax; sampled: the lossless rule), so the sequence stays on the target's distribution whatever the
+drafter proposes. Two ways to one record:
+- sampled (T > 0): real speculative decoding in the rank (`rollout`, with the family's `rollout` function,
+  models/registry.py; eval/spec_decode.py chain_rollout for EAGLE-3): which tokens come out depends on the drafts.
+- greedy (T = 0): the continuation is the target's greedy decoding whatever the drafts, so whichever engine holds
+  the target generates it plainly (in the rank, partitioned or split, or on a vLLM server), and `greedy_accepts`
+  replays the chains along it from the drafter's teacher-forced drafts (the family's `greedy_drafts`): a chain's
+  drafts up to its first miss are the sequence's own tokens, so the record is the one chain decoding makes
+  (tests/test_rollout.py compares the two).
 
 Alignment with the TTT unroll (train/ttt.py): a cycle whose drafter has the target's features up to position t (its
 anchor; the bonus token x_{t+1} is its input) drafts x_{t+2}, x_{t+3}, ... at TTT steps 0, 1, ... from position t.
@@ -79,3 +85,20 @@ def rollout(generate: Callable[[list[int], int], Any], prompt_ids: list[int], ma
     and its record (output_ids, accept_lengths) gives the cycles."""
     rec = generate(list(prompt_ids), max_new_tokens)
     return Rollout(len(prompt_ids), [*prompt_ids, *rec.output_ids], list(rec.accept_lengths), depth)
+
+
+def greedy_accepts(tokens: list[int], prompt_len: int, drafts: Tensor, depth: int) -> list[int]:
+    """The accepted lengths of chain decoding at T=0 along `tokens` (the prompt, then the target's greedy
+    continuation): `drafts[k, t]` is the drafter's greedy draft at step k from anchor t, teacher-forced along
+    `tokens` (train/ttt.py greedy_drafts). A cycle anchored at t accepts drafts while they equal tokens t+2, t+3, ...
+    (at most `depth`); the next is anchored at t + j + 1. Cycles run while the continuation goes on past the bonus
+    token (t + 2 < len); the last one counts only the drafts the continuation reaches."""
+    got = drafts[:depth].tolist()
+    out, t, n = [], prompt_len - 1, len(tokens)
+    while t + 2 < n:
+        j = 0
+        while j < depth and t + 2 + j < n and got[j][t] == tokens[t + 2 + j]:
+            j += 1
+        out.append(j)
+        t += j + 1
+    return out

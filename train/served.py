@@ -199,6 +199,21 @@ class ServedFeatures:
         finally:
             features.close()
 
+    def generate(self, prompts: list[list[int]], max_tokens: int, stop: tuple[int, ...]) -> list[list[int]]:
+        """Each prompt's greedy continuation by the servers (at most max_tokens, ending at a `stop` id): the
+        on-policy stage's greedy rollouts (train/on_policy.py ServedTarget)."""
+        if not prompts:
+            return []
+        if not self._ready:
+            self._wait_ready()
+            self._ready = True
+        try:
+            outs = self.client.generate(prompts, max_tokens=max_tokens, temperature=0.0,
+                                        stop_token_ids=list(stop))
+        except VLLMServerError as e:
+            raise self.stopped_instead(e) from None
+        return [list(o["token_ids"]) for o in outs]
+
     def stopped_instead(self, error: Exception) -> BaseException:
         """Preempted when a stop signal came with a server's failure (SLURM signals every process of the step: vLLM
         exits on SIGTERM, failing what is in flight), else the failure itself. A signal alone does not end a wait:

@@ -319,15 +319,16 @@ def sample_sources(cfg: RunConfig, run_dir: Path, data_rank: int, data_world: in
     if cfg.data.source == "vllm" or cfg.data.hybrid_from == "vllm" and cfg.data.source == "hybrid":
         from train.served import served_sources
 
-        return served_sources(cfg, run_dir, dist.get_rank(), dist.get_world_size(), resources,
-                              lambda: signals.received, dist.barrier)
-    from train.engine import device, partition_frozen
-    from train.online import sample_sources as online_sources
+        train, held_out = served_sources(cfg, run_dir, dist.get_rank(), dist.get_world_size(), resources,
+                                         lambda: signals.received, dist.barrier)
+    else:
+        from train.engine import device, partition_frozen
+        from train.online import sample_sources as online_sources
 
-    partition = None
-    if cfg.data.target_placement == "zero3":
-        partition = functools.partial(partition_frozen, ds_cfg=cfg.deepspeed)
-    train, held_out = online_sources(cfg, run_dir, data_rank, data_world, device(), partition, dist.barrier)
+        partition = None
+        if cfg.data.target_placement == "zero3":
+            partition = functools.partial(partition_frozen, ds_cfg=cfg.deepspeed)
+        train, held_out = online_sources(cfg, run_dir, data_rank, data_world, device(), partition, dist.barrier)
     if cfg.train.on_policy.enabled:  # the prompts rolled out by the drafter against the same target
         from train.on_policy import on_policy_source
 

@@ -166,6 +166,27 @@ def unroll(drafter: nn.Module, batch: Batch, settings: TTTSettings, hidden: Tens
     return outs
 
 
+@torch.no_grad()
+def greedy_drafts(drafter: nn.Module, batch: Batch, steps: int, chunk: int = 1024) -> Tensor:
+    """int64 [B, steps, T]: the target id the drafter drafts greedily at TTT step k from position t, the inputs
+    teacher-forced along the batch's tokens. Along a chain whose drafts the target accepted, that is exactly what
+    chain drafting at T=0 proposes (the accepted drafts are the batch's tokens): train/rollout.py greedy_accepts
+    turns it into a greedy rollout's verify cycles. The logits are taken `chunk` positions at a time."""
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        hiddens = unroll(drafter, batch, TTTSettings(steps=steps))
+    finally:
+        drafter.train(was_training)
+    out = torch.empty(batch.input_ids.shape[0], steps, hiddens[0].shape[1], dtype=torch.long,
+                      device=batch.input_ids.device)
+    for k, h in enumerate(hiddens):
+        for a in range(0, h.shape[1], chunk):
+            best = drafter.compute_logits(h[:, a : a + chunk]).argmax(-1)
+            out[:, k, a : a + chunk] = drafter.draft_to_target(best)
+    return out
+
+
 def output_head(drafter: nn.Module) -> tuple[nn.Module, Tensor] | None:
     """(norm, lm_head weight) if drafter.compute_logits(h) is lm_head(norm(h)) with a bias-free lm_head."""
     from models.eagle3 import Eagle3Drafter  # lazily, as new_ttt_cache
