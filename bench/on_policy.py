@@ -159,7 +159,7 @@ def main() -> None:
     sup_steps = max(1, round(arms["on_policy"]["loop_s"] / per_step))
     arms["supervised"] = train(work / "supervised", prep, start, "supervised", sup_steps, args.seed)
     print(f"on_policy {arms['on_policy']['steps']} steps in {arms['on_policy']['loop_s']:.0f} s; supervised "
-          f"{sup_steps} steps in {arms['supervised']['loop_s']:.0f} s", flush=True)
+          f"{arms['supervised']['steps']} steps in {arms['supervised']['loop_s']:.0f} s", flush=True)
 
     exports = {"start": start, "supervised": work / "supervised" / "export", "on_policy": work / "on_policy" / "export"}
     drafters = {arm: exports[arm] for arm in args.drafters.split(",")}

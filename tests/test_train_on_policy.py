@@ -37,7 +37,7 @@ OPD = ["train.on_policy.enabled=true", "train.on_policy.max_new_tokens=12", "tra
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_prep_dir: Path) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("on_policy")
-    r = {k: base / k for k in ("supervised", "opd", "stopped", "two", "zero3", "tp", "sampled")}
+    r = {k: base / k for k in ("supervised", "opd", "stopped", "two", "zero3", "tp", "sampled", "epochs")}
     train_in_one_process(tiny_prep_dir, common=ONLINE_COMMON, jobs=[
         (r["supervised"], [*FOUR, "data.source=online", "train.export=true"]),
     ])
@@ -53,6 +53,7 @@ def runs(tmp_path_factory, tiny_prep_dir: Path) -> dict[str, Path]:
                  common=ONLINE_COMMON)
     train_in_one_process(tiny_prep_dir, common=ONLINE_COMMON, jobs=[
         (r["sampled"], ["train.max_steps=2", *OPD, start, "train.on_policy.temperature=1.0"]),
+        (r["epochs"], ["train.max_steps=8", "train.epochs=2", *OPD, start]),
     ])
     return r
 
@@ -133,11 +134,23 @@ def test_a_partitioned_or_split_target_rolls_out_what_a_whole_copy_does(runs, pl
     assert summary["rollouts"] == 8 and summary["target_forwards"] == 4  # rank 0's: one batched capture a step
 
 
+def test_a_greedy_rollouts_text_is_generated_once_and_replayed_each_epoch(runs) -> None:
+    """Epoch 0 (5 global batches) generates each sample's greedy continuation; epoch 1 (steps 6-8) generates none
+    and replays the same texts with the drafter of its step: the same new tokens as epoch 0 had for them."""
+    train = records(runs["epochs"], "train")
+    assert sorted(train) == list(range(1, 9))
+    assert all(train[s]["rollouts_generated"] == train[s]["rollouts"] == 2 for s in range(1, 6))
+    assert all(train[s]["rollouts_generated"] == 0 and train[s]["rollouts"] == 2 for s in range(6, 9))
+    first = sum(train[s]["rollout_new_tokens"] for s in range(1, 6))
+    assert 0 < sum(train[s]["rollout_new_tokens"] for s in range(6, 9)) <= first
+
+
 def test_sampled_rollouts_decode_in_the_rank(runs) -> None:
     train = records(runs["sampled"], "train")
     assert sorted(train) == [1, 2]
     for rec in train.values():
-        assert rec["rollouts"] == 2 and 0 < rec["rollout_new_tokens"] <= 2 * 12 and rec["rollout_cycles"] >= 1
+        assert rec["rollouts"] == rec["rollouts_generated"] == 2  # sampled: new every time
+        assert 0 < rec["rollout_new_tokens"] <= 2 * 12 and rec["rollout_cycles"] >= 1
 
 
 @pytest.mark.parametrize("change, temperature, why", [

@@ -45,7 +45,7 @@ from train.rollout import Rollout, greedy_accepts, rollout
 
 ROLLOUT_PREFIX = "rollout/"  # the rollout drafter's tensors in a checkpoint's model.safetensors
 # Per-step statistics (summed over the ranks between two log lines): metrics.jsonl's rollout_* and replay_*.
-COUNTERS = ("rollouts", "rollout_new_tokens", "rollout_cycles", "rollout_accepted", "replay_pairs",
+COUNTERS = ("rollouts", "rollouts_generated", "rollout_new_tokens", "rollout_cycles", "rollout_accepted", "replay_pairs",
             "replay_rejected", "rollout_s")
 
 
@@ -214,6 +214,10 @@ class OnPolicySamples:
         self.counts = dict.fromkeys(COUNTERS, 0.0)
         self.totals = dict.fromkeys(COUNTERS, 0.0)
         self.captures, self.capture_tokens, self.capture_s = 0, 0, 0.0  # the target's captures of the rollouts
+        # A greedy rollout's text (the target's greedy continuation) is the same every epoch: generated once per
+        # sample and kept (int32 ids; a resumed run generates it again, the same text); the capture and the replay,
+        # which depend on nothing kept, run each time.
+        self._greedy: dict[int, Tensor] = {}
 
     def __str__(self) -> str:
         return f"{self.base} rolled out on-policy"
@@ -323,14 +327,22 @@ class OnPolicySamples:
         start = time.perf_counter()
         if self.settings.temperature > 0:
             rollouts = self._sampled(distinct)
+            fresh = set(range(len(distinct)))  # every sampled rollout is new
             decode_s = time.perf_counter() - start
             samples = self._capture([Rendered(c, torch.tensor(r.tokens), r.loss_mask()) for c, r in zip(ids, rollouts)])
         else:
             plans = [self._plan(i) for i in distinct]
-            continued = self.target.generate([p for p, _ in plans], [n for _, n in plans], self.stop_ids)
+            missing = [k for k, i in enumerate(distinct) if i not in self._greedy]
+            if missing or getattr(self.target, "batched", False):  # a batched target's ranks generate together
+                got = self.target.generate([plans[k][0] for k in missing], [plans[k][1] for k in missing],
+                                           self.stop_ids)
+                for k, new in zip(missing, got):
+                    self._greedy[distinct[k]] = torch.tensor(new, dtype=torch.int32)
+            fresh = set(missing)
             generate_s = time.perf_counter() - start
             rendered = []
-            for c, (prompt, _), new in zip(ids, plans, continued):
+            for c, (prompt, _), i in zip(ids, plans, distinct):
+                new = self._greedy[i].tolist()
                 mask = torch.zeros(len(prompt) + len(new), dtype=torch.bool)
                 mask[len(prompt):] = True
                 rendered.append(Rendered(c, torch.tensor([*prompt, *new]), mask))
@@ -339,17 +351,17 @@ class OnPolicySamples:
             rollouts = self._replayed(distinct, samples)
             decode_s = generate_s + time.perf_counter() - start
         made = {}
-        for i, r, sample in zip(distinct, rollouts, samples):
+        for k, (i, r, sample) in enumerate(zip(distinct, rollouts, samples)):
             steps = r.draft_steps()
-            self._count(r, steps, decode_s / len(distinct))
+            self._count(r, steps, decode_s / len(distinct), k in fresh)
             made[i] = RolloutSample(**{f: getattr(sample, f) for f in sample.__dataclass_fields__}, draft_steps=steps)
         return [made[i] for i in indices]
 
     def __getitem__(self, i: int) -> Sample:
         return self.get_many([i])[0]
 
-    def _count(self, r: Rollout, steps: Tensor, seconds: float) -> None:
-        add = {"rollouts": 1, "rollout_new_tokens": r.new_tokens, "rollout_cycles": len(r.accept_lengths),
+    def _count(self, r: Rollout, steps: Tensor, seconds: float, generated: bool) -> None:
+        add = {"rollouts": 1, "rollouts_generated": int(generated), "rollout_new_tokens": r.new_tokens, "rollout_cycles": len(r.accept_lengths),
                "rollout_accepted": sum(r.accept_lengths), "replay_pairs": int(steps.sum()),
                "replay_rejected": len(r.rejected_positions()), "rollout_s": seconds}
         for k, v in add.items():
