@@ -41,7 +41,7 @@ class TargetRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         text = model.config.get_text_config()
-        num_layers = int(text.num_hidden_layers)
+        self.num_layers = num_layers = int(text.num_hidden_layers)
         for i in self.tap_layers or []:
             if not (0 <= i < num_layers or i == FINAL_FEATURE):
                 raise ValueError(f"tap layer {i} outside the target's {num_layers} decoder layers")
@@ -102,21 +102,34 @@ class TargetRunner:
                 raise ValueError("a tree mask needs explicit position ids")
             mask = self.tree_mask(allowed, position_ids)
         want_taps = want_taps and self.tap_layers is not None
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            cache=cache,
-            use_cache=True,
-            output_hidden_states=want_taps,
-            logits_to_keep=1 if last_logits_only else 0,
-        )
+        # HF hidden_states[0] is the embedding output, so decoder layer i's output is entry i + 1, except the last
+        # layer's: that entry is after the final norm (the LM head's input: FINAL_FEATURE). A tap of the last layer
+        # is its output before the norm, as a capture records it (data_prep/capture.py), so a hook takes it.
+        last = self.num_layers - 1
+        top: list[Tensor] = []
+        hook = None
+        if want_taps and last in self.tap_layers:
+            from data_prep.capture import decoder_layers
+
+            hook = decoder_layers(self.model)[last].register_forward_hook(
+                lambda _m, _i, o: top.append(o[0] if isinstance(o, tuple) else o))
+        try:
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                cache=cache,
+                use_cache=True,
+                output_hidden_states=want_taps,
+                logits_to_keep=1 if last_logits_only else 0,
+            )
+        finally:
+            if hook is not None:
+                hook.remove()
         taps = None
         if want_taps:
-            # HF hidden_states[0] is the embedding output, so decoder layer i's output is entry i + 1; the
-            # last entry is after the final norm (the LM head's input): FINAL_FEATURE.
-            taps = torch.cat([out.hidden_states[i + 1 if i != FINAL_FEATURE else -1][0] for i in self.tap_layers],
-                             dim=-1)
+            rows = {FINAL_FEATURE: out.hidden_states[-1][0], **({last: top[0][0]} if top else {})}
+            taps = torch.cat([rows[i] if i in rows else out.hidden_states[i + 1][0] for i in self.tap_layers], dim=-1)
         return TargetOutput(logits=out.logits[0], taps=taps)
 
 

@@ -173,3 +173,22 @@ def test_keep_kv_keeps_exactly_the_accepted_entries(accepted: list[int]) -> None
         torch.testing.assert_close(a.values, b.values, rtol=0, atol=1e-10)
     with pytest.raises(ValueError, match="ascend"):
         keep_kv(cache, n, torch.tensor([0, 2, 1]))
+
+
+def test_the_runners_taps_are_what_a_capture_records_the_last_layer_before_the_norm() -> None:
+    """Decoding's taps equal prep's and training's capture at every layer, the last one included (its output before
+    the final norm, which HF's hidden_states list replaces with the normed one); FINAL_FEATURE is the normed one."""
+    from tiny_models import tiny_llama
+
+    from data_prep.capture import HiddenStateCapture
+    from eval.target import FINAL_FEATURE
+
+    target = tiny_llama(vocab=32, layers=3, seed=0)
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    with HiddenStateCapture(target, [0, 1, 2]) as capture:
+        captured = capture(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
+    runner = TargetRunner(target, [0, 1, 2, FINAL_FEATURE])
+    taps = runner.forward(ids, runner.new_cache()).taps.view(len(ids), 4, -1)
+    torch.testing.assert_close(taps[:, :3].reshape(len(ids), -1), captured.taps[0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(taps[:, 3], target.model.norm(captured.final_hidden[0]), rtol=0, atol=1e-12)
+    assert not torch.allclose(taps[:, 2], taps[:, 3])
