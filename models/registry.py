@@ -48,13 +48,15 @@ class DrafterFamily:
     reads_tap_layers: bool = True  # model.tap_layers chooses the target layers it reads
     attn_backend: bool = True  # model.attn_backend chooses its attention (models/attention.py)
     options: str | None = None  # its own config sections, model.<options> and train.<options>
-    block_drafting: bool = False  # drafts a fixed block per verify: decode.depth / topk / total_tokens unused
+    # drafts a fixed block per verify: decode.depth / topk / total_tokens and train.on_policy.depth unused
+    block_drafting: bool = False
     # vLLM's --speculative-config method for its exports, where eval/engine.py checks and serves them; None: not checked
     vllm_method: str | None = None
-    # The on-policy stage's rollouts (train/on_policy.py, train/rollout.py); None: no such stage. "module:function":
+    # The on-policy stage's rollouts (train/on_policy.py, train/rollout.py), "module:function"; None: not this way.
     # rollout: lossless speculative decoding of one prompt with chains of its drafts against an HF target, the sampled
     # rollouts (eval/spec_decode.py chain_rollout); greedy_drafts: its teacher-forced greedy drafts per (step,
-    # position) of a batch, from which the greedy rollouts' verify cycles are replayed (train/ttt.py greedy_drafts)
+    # position) of a batch, from which the greedy rollouts' verify cycles are replayed (train/ttt.py greedy_drafts).
+    # No greedy_drafts: no on-policy stage; no rollout: greedy rollouts only
     rollout: str | None = None
     greedy_drafts: str | None = None
 
@@ -139,7 +141,7 @@ FAMILIES: dict[str, DrafterFamily] = {
         "train.dflash:DFlashObjective", "eval.dflash_drafting:DFlashDrafting",
         label="DFlash", levers=("norm_init",),  # the same final norm before a target head as EAGLE-3's
         attn_backend=False,  # SDPA with explicit block masks on every device
-        options="dflash", block_drafting=True,
+        options="dflash", block_drafting=True, greedy_drafts="train.dflash:greedy_drafts",
     ),
 }
 METHODS = tuple(FAMILIES)

@@ -285,3 +285,47 @@ def test_offline_report_covers_dflash_with_every_familys_fields(tmp_path) -> Non
     assert saved["num_positions"] == saved["n_target_k"][0] == direct["n_valid_k"][0] > 0
     assert saved["acc_k"] == pytest.approx(direct["acc_k"], nan_ok=True) and rep["sim_tau"] >= 1.0
     assert (tmp_path / "report" / "offline_report.png").stat().st_size > 5000
+
+
+def test_a_rollouts_batch_trains_the_blocks_its_cycles_drafted() -> None:
+    """On a rollout's batch (draft_steps) the blocks are the verify cycles' (rooted one past each anchor), each trained
+    on the positions the target verified (the accepted drafts and the first rejected one), whatever
+    train.dflash.anchors says; the loss is the naive per-block CE over exactly those positions."""
+    from train.rollout import Rollout
+
+    d, batch = make_drafter(), make_batch(lengths=(22, 17))
+    cycles = {0: [0, 4, 1, 2, 0, 1], 1: [2, 0, 4, 1]}  # accepted drafts per cycle; prompts of 5 tokens
+    rollouts = {b: Rollout(5, batch.input_ids[b, : int(batch.valid[b].sum())].tolist(), j, BS - 1)
+                for b, j in cycles.items()}
+    steps = torch.zeros_like(batch.input_ids)
+    for b, r in rollouts.items():
+        steps[b, : len(r.tokens)] = r.draft_steps()
+    batch = dataclasses.replace(batch, draft_steps=steps)
+    obj = DFlashObjective(SETTINGS)
+    counts, plan = obj.count(d, None, batch)
+    for b, r in rollouts.items():
+        roots = [t + 1 for t, _ in r.cycles() if t + 1 < len(r.tokens)]
+        assert plan.anchors[b][plan.keep[b]].tolist() == roots  # all of them: more than SETTINGS.anchors
+    assert int(plan.keep.sum()) > len(batch) * SETTINGS.anchors
+    limit = {(b, t + 1): min(j + 1, BS - 1) for b, r in rollouts.items() for t, j in r.cycles()}
+    for b, a, k in plan.valid.nonzero().tolist():
+        assert k + 1 <= limit[(b, int(plan.anchors[b, a]))]
+    loss, sums = obj.loss(d, None, batch, None, plan)
+    num, den = 0.0, 0.0
+    for b in range(len(batch)):
+        T = int(batch.valid[b].sum())
+        context = d.context_kv(d.fuse(batch.taps[b : b + 1]), torch.arange(batch.taps.shape[1])[None])
+        for (bb, a), last in limit.items():
+            if bb != b or a >= T:
+                continue
+            ids = torch.full((1, BS), d.mask_token_id)
+            ids[0, 0] = batch.input_ids[b, a]
+            h = d.forward(ids, torch.arange(a, a + BS)[None], [(k[:, :, :a], v[:, :, :a]) for k, v in context],
+                          open_block_attention)
+            logits = d.compute_logits(h[0])
+            for k in range(1, last + 1):
+                if a + k < T and batch.loss_mask[b, a + k]:
+                    w = float(torch.exp(torch.tensor(-(k - 1) / SETTINGS.gamma)))
+                    num, den = num + w * F.cross_entropy(logits[k], batch.input_ids[b, a + k]), den + w
+    torch.testing.assert_close(loss, num / den, rtol=1e-5, atol=1e-6)
+    assert sums["n_valid_k"].tolist() == counts.tolist() and counts[0] > counts[-1] > 0

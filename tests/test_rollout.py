@@ -247,3 +247,54 @@ def test_collate_carries_draft_steps_of_rollout_samples_only() -> None:
     del plain.draft_steps
     with pytest.raises(ValueError, match="rollouts or supervised samples"):
         collate([WithSteps(4, [0, 2, 0, 1]), plain])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_replayed_dflash_rollout_drafts_the_blocks_dflash_decoding_does(seed: int) -> None:
+    """DFlash: real chain decoding at T=0 with the drafter's blocks recorded, against the teacher-forced blocks
+    (train.dflash.greedy_drafts) along the same text: every cycle's whole block equal, and greedy_accepts gives the
+    decoder's accepted lengths. A small vocabulary so that a random drafter's blocks are accepted now and then."""
+    from tiny_models import tiny_dflash_drafter, tiny_llama
+
+    from data_prep.capture import HiddenStateCapture
+    from eval.dflash_drafting import DFlashDrafting
+    from models.registry import family
+
+    target = tiny_llama(vocab=6, seed=seed)
+    drafter = tiny_dflash_drafter(target, tap_layers=[0, 2], block_size=4, num_layers=2, seed=seed)
+    depth = drafter.block_size - 1
+    runner, chain = TargetRunner(target, drafter.tap_layers), SpecSettings(mode="chain")
+    drafts_of = family("dflash").greedy_drafts_fn
+
+    class Recorded(DFlashDrafting):
+        def draft(self, root, prefix_len, params, generator):
+            tree = super().draft(root, prefix_len, params, generator)
+            blocks[prefix_len] = self.block_logits(root, prefix_len).argmax(-1).tolist()
+            return tree
+
+    accepted = cycles = 0
+    for prompt in PROMPTS:
+        prompt = [t % 6 for t in prompt]
+        blocks: dict[int, list[int]] = {}
+        dec = SpeculativeDecoder(runner, drafter, chain)
+        dec.strategy = Recorded(drafter, chain)
+        rec = dec.generate(prompt, 40, GREEDY)
+        tokens = [*prompt, *rec.output_ids]
+        assert rec.output_ids == plain_generate(runner, prompt, 40, GREEDY).output_ids
+        with HiddenStateCapture(target, drafter.tap_layers) as capture:
+            taps = capture(torch.tensor([tokens]), torch.ones(1, len(tokens), dtype=torch.long)).taps[0]
+
+        class Captured:  # what collate reads of a shard sample
+            input_ids, loss_mask, teacher_hidden = torch.tensor(tokens), Rollout(len(prompt), tokens, [],
+                                                                                 depth).loss_mask(), None
+
+        Captured.taps = taps
+        drafts = drafts_of(drafter, collate([Captured]), depth)[0]
+        for root_at, block in blocks.items():  # the cycle rooted at n is anchored at t = n - 1
+            assert drafts[:, root_at - 1].tolist() == block, (prompt, root_at)
+        replayed = greedy_accepts(tokens, len(prompt), drafts, depth)
+        assert replayed[:-1] == rec.accept_lengths[:-1] and len(replayed) == len(rec.accept_lengths)
+        assert replayed[-1] <= rec.accept_lengths[-1]
+        accepted, cycles = accepted + sum(rec.accept_lengths), cycles + len(rec.accept_lengths)
+    print(f"{cycles} cycles, {accepted} drafts accepted")
+    assert cycles > 40 and 0 < accepted < depth * cycles  # hits and misses

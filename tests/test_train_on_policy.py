@@ -9,6 +9,7 @@ run too. What the stage cannot run with is refused before training."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,8 @@ OPD = ["train.on_policy.enabled=true", "train.on_policy.max_new_tokens=12", "tra
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_prep_dir: Path) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("on_policy")
-    r = {k: base / k for k in ("supervised", "opd", "stopped", "two", "zero3", "tp", "sampled", "epochs")}
+    r = {k: base / k for k in ("supervised", "opd", "stopped", "two", "zero3", "tp", "sampled", "epochs",
+                               "dflash_supervised", "dflash", "dflash_stopped", "dflash_two")}
     train_in_one_process(tiny_prep_dir, common=ONLINE_COMMON, jobs=[
         (r["supervised"], [*FOUR, "data.source=online", "train.export=true"]),
     ])
@@ -55,6 +57,19 @@ def runs(tmp_path_factory, tiny_prep_dir: Path) -> dict[str, Path]:
         (r["sampled"], ["train.max_steps=2", *OPD, start, "train.on_policy.temperature=1.0"]),
         (r["epochs"], ["train.max_steps=8", "train.epochs=2", *OPD, start]),
     ])
+    taps = json.loads((tiny_prep_dir / "train" / "manifest.json").read_text())["tap_layers"]
+    dflash = ["model=dflash", f"model.tap_layers=[{taps[0]},{taps[-1]}]", "model.dflash.block_size=4",
+              "model.dflash.num_layers=1"]  # two of the prep's taps: the rollouts' replay picks them out
+    train_in_one_process(tiny_prep_dir, common=ONLINE_COMMON, jobs=[
+        (r["dflash_supervised"], [*FOUR, *dflash, "data.source=online", "train.export=true"]),
+    ])
+    dflash_start = f"train.init_from={r['dflash_supervised'] / 'export'}"
+    train_in_one_process(tiny_prep_dir, common=ONLINE_COMMON, jobs=[
+        (r["dflash"], [*FOUR, *OPD, *dflash, dflash_start]),
+        (r["dflash_stopped"], [*FOUR, *OPD, *dflash, dflash_start, "train.stop_after_steps=3"]),
+        (r["dflash_stopped"], [*FOUR, *OPD, *dflash, dflash_start, "train.resume=true"]),
+    ])
+    torchrun(r["dflash_two"], tiny_prep_dir, *FOUR, *OPD, *dflash, dflash_start, common=ONLINE_COMMON)
     return r
 
 
@@ -153,6 +168,33 @@ def test_sampled_rollouts_decode_in_the_rank(runs) -> None:
         assert 0 < rec["rollout_new_tokens"] <= 2 * 12 and rec["rollout_cycles"] >= 1
 
 
+def test_a_dflash_drafter_trains_on_its_rollouts_resumes_and_matches_two_ranks(runs) -> None:
+    """DFlash (block drafting, greedy rollouts): cycles of its whole block (3 drafts), one block trained per cycle on
+    the positions the target verified; stopped between two refreshes and resumed it is the uninterrupted run bit for
+    bit; 2 processes match 1."""
+    train = records(runs["dflash"], "train")
+    assert sorted(train) == [1, 2, 3, 4]
+    for step, rec in train.items():
+        assert rec["rollouts"] == 2 and rec["rollout_cycles"] >= 1, step
+        assert rec["n_valid_k"][0] <= rec["rollout_cycles"]  # a block per cycle, its first position verified
+        assert sum(rec["n_valid_k"]) <= rec["replay_pairs"] and len(rec["n_valid_k"]) == 3
+    stopped = records(runs["dflash_stopped"], "train")
+    for step in train:
+        for key in ("loss", "n_valid_k", "rollout_cycles", "replay_pairs", "replay_rejected"):
+            assert stopped[step][key] == train[step][key], (step, key)
+    wa, wb = weights(runs["dflash"], 4), weights(runs["dflash_stopped"], 4)
+    assert sorted(wa) == sorted(wb) and any(k.startswith("rollout/") for k in wa)
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+    assert_close_curves(runs["dflash_two"], runs["dflash"], LOSS_RTOL)
+    two = records(runs["dflash_two"], "train")
+    for step in train:
+        assert two[step]["replay_pairs"] == train[step]["replay_pairs"], step
+    w2 = weights(runs["dflash_two"], 4)
+    for name in (k for k in wa if k.startswith("param/")):
+        torch.testing.assert_close(w2[name], wa[name], rtol=0, atol=WEIGHT_ATOL)
+
+
 @pytest.mark.parametrize("change, temperature, why", [
     ({"source": "offline"}, 0.0, "data.source=offline"),
     ({"source": "hybrid"}, 0.0, "data.source=hybrid"),
@@ -165,6 +207,22 @@ def test_what_rollouts_cannot_run_with_is_refused(tiny_prep_dir: Path, change: d
                                                   why: str) -> None:
     cfg = RunConfig(out_dir="unused", data=DataConfig(**{"dir": str(tiny_prep_dir), "source": "online", **change}),
                     train=TrainConfig(ttt_steps=3))
+    cfg.train.on_policy.enabled = True
+    cfg.train.on_policy.temperature = temperature
+    with pytest.raises(ConfigError, match=rf"train.on_policy.enabled=true: .*{why}"):
+        cfg.validate(1)
+
+
+@pytest.mark.parametrize("method, temperature, why", [
+    ("eagle1", 0.0, "model.method=eagle1: EAGLE-1 drafters have no rollouts"),
+    ("dflash", 1.0, "temperature=1.0 with model.method=dflash: DFlash rollouts are greedy"),
+])
+def test_what_a_family_cannot_roll_out_is_refused(tiny_prep_dir: Path, method: str, temperature: float,
+                                                   why: str) -> None:
+    from train.config import ModelConfig
+
+    cfg = RunConfig(out_dir="unused", model=ModelConfig(method=method),
+                    data=DataConfig(dir=str(tiny_prep_dir), source="online"), train=TrainConfig(ttt_steps=3))
     cfg.train.on_policy.enabled = True
     cfg.train.on_policy.temperature = temperature
     with pytest.raises(ConfigError, match=rf"train.on_policy.enabled=true: .*{why}"):

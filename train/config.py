@@ -146,7 +146,9 @@ class OnPolicyConfig:
     on prep's prompts and trains on the drafting those rollouts visited, against the target's distribution."""
 
     enabled: bool = False
-    depth: int = 3  # drafts per rollout cycle (chain drafting); train.ttt_steps >= depth trains every visited step
+    # drafts per rollout cycle (chain drafting); train.ttt_steps >= depth trains every visited step. A block drafter
+    # (DFlash) drafts its block: model.dflash.block_size - 1
+    depth: int = 3
     max_new_tokens: int = 256  # tokens each rollout generates (cut at data.max_len, and at the target's EOS)
     temperature: float = 0.0  # 0: greedy rollouts (the target's argmax); > 0: lossless sampling at this temperature
     refresh_interval: int = 10  # optimizer steps between copies of the trained weights into the rollout drafter
@@ -519,7 +521,7 @@ class RunConfig:
 
     def _validate_on_policy(self) -> None:
         """train.on_policy: its ranges, and what its rollouts need (a target in the ranks or on vLLM's servers; for
-        sampled rollouts a whole copy in the rank; a drafter that drafts chains; whole samples)."""
+        sampled rollouts a whole copy in the rank and a family that decodes them; a family with rollouts; whole samples)."""
         op, d, t = self.train.on_policy, self.data, self.train
         for key in ("depth", "max_new_tokens", "refresh_interval"):
             if getattr(op, key) < 1:
@@ -533,8 +535,11 @@ class RunConfig:
         fam = family(self.model.method)
         sampled = op.temperature > 0
         need = [
-            (fam.rollout is None, f"model.method={self.model.method}: {fam.label} drafters have no rollouts "
-             "(model.method=eagle3)"),
+            (fam.greedy_drafts is None, f"model.method={self.model.method}: {fam.label} drafters have no rollouts "
+             "(model.method=eagle3 or dflash)"),
+            (sampled and fam.greedy_drafts is not None and fam.rollout is None,
+             f"train.on_policy.temperature={op.temperature} with model.method={self.model.method}: {fam.label} "
+             "rollouts are greedy (train.on_policy.temperature=0)"),
             (d.source not in ("online", "vllm"), f"data.source={d.source}: rollouts run against the target in the "
              "ranks or on vLLM's servers (data.source=online or vllm)"),
             (sampled and d.source == "vllm", f"train.on_policy.temperature={op.temperature} with data.source=vllm: "
@@ -552,7 +557,7 @@ class RunConfig:
         refused = [why for bad, why in need if bad]
         if refused:
             raise ConfigError("train.on_policy.enabled=true: " + "; ".join(refused))
-        if t.ttt_steps < op.depth:
+        if not fam.block_drafting and t.ttt_steps < op.depth:  # a block drafter's rollouts draft its whole block
             warnings.warn(f"train.ttt_steps={t.ttt_steps} < train.on_policy.depth={op.depth}: the visited steps past "
                           f"{t.ttt_steps} are not trained", stacklevel=3)
         if t.init_from is None:

@@ -136,6 +136,29 @@ class BlockPlan:
         valid = target & (j < T) & keep[..., None]
         return cls(anchors, keep, batch.input_ids.gather(1, flat).view(B, m, -1), valid)
 
+    @classmethod
+    def replayed(cls, batch: Batch, settings: DFlashSettings) -> BlockPlan:
+        """A rollout's batch (`draft_steps`, train/rollout.py): one block per verify cycle, anchored where the cycle's
+        root stood (the position after its anchor t: a = t + 1), its positions 1..draft_steps[t] the targets (the
+        accepted drafts and the first rejected one, what the target verified), whatever train.dflash.anchors says."""
+        steps = batch.draft_steps.to(batch.input_ids.device)
+        B, T = batch.input_ids.shape
+        starts = torch.zeros_like(steps)
+        starts[:, 1:] = steps[:, :-1]  # block a replays the cycle anchored at t = a - 1
+        rows = [r.nonzero().squeeze(1) for r in starts.cpu() > 0]
+        m = max(1, max(r.numel() for r in rows))
+        anchors = torch.zeros(B, m, dtype=torch.long)
+        keep = torch.zeros(B, m, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            anchors[i, : r.numel()], keep[i, : r.numel()] = r, True
+        anchors, keep = anchors.to(steps.device), keep.to(steps.device)
+        j = anchors[..., None] + torch.arange(1, settings.block_size, device=anchors.device)  # [B, m, K]
+        flat = j.clamp(max=T - 1).view(B, -1)
+        visited = torch.arange(1, settings.block_size, device=anchors.device) <= starts.gather(1, anchors)[..., None]
+        target = (batch.valid & batch.loss_mask).gather(1, flat).view(B, m, -1)
+        valid = target & visited & (j < T) & keep[..., None]
+        return cls(anchors, keep, batch.input_ids.gather(1, flat).view(B, m, -1), valid)
+
     def counts(self) -> Tensor:
         """int64 [K]: targets per block position."""
         return self.valid.sum((0, 1))
@@ -154,6 +177,33 @@ def block_hidden(drafter: nn.Module, batch: Batch, anchors: Tensor, taps: Tensor
     pos = anchors[..., None] + torch.arange(bs, device=anchors.device)
     attend = functools.partial(anchored_attention, anchors=anchors, block_size=bs, group_rows=drafter.attn_group_rows)
     return drafter.forward(ids.view(B, m * bs), pos.view(B, m * bs), context, attend).view(B, m, bs, -1)
+
+
+@torch.no_grad()
+def greedy_drafts(drafter: nn.Module, batch: Batch, steps: int, chunk: int = 1024) -> Tensor:
+    """int64 [B, steps, T]: at [b, k, t] the token the drafter drafts greedily at block position k + 1 of the block
+    rooted at t + 1 (a verify cycle anchored at t, train/rollout.py), teacher-forced along the batch's tokens; -1 at
+    t = T - 1 (no root). `steps` <= block_size - 1 (a cycle drafts the whole block: train/on_policy.py asks for
+    block_size - 1). A block sees only the target's context before its root, so this is exactly what DFlash
+    drafting proposes in the cycle rooted there (eval/dflash_drafting.py). `batch.taps` are the drafter's own taps.
+    Blocks are formed `chunk` rows at a time."""
+    if not 1 <= steps < drafter.block_size:
+        raise ValueError(f"a DFlash block drafts 1..{drafter.block_size - 1} positions, asked for {steps}")
+    was_training = drafter.training
+    drafter.eval()
+    B, T = batch.input_ids.shape
+    device = batch.input_ids.device
+    out = torch.full((B, steps, T), -1, dtype=torch.long, device=device)
+    taps = batch.taps.to(drafter.fc.weight.dtype)
+    per = max(1, chunk // drafter.block_size)
+    try:
+        for first in range(1, T, per):
+            roots = torch.arange(first, min(T, first + per), device=device).expand(B, -1)
+            h = block_hidden(drafter, batch, roots, taps)[:, :, 1 : steps + 1]  # [B, n, steps, H]
+            out[:, :, first - 1 : first - 1 + roots.shape[1]] = drafter.compute_logits(h).argmax(-1).transpose(1, 2)
+    finally:
+        drafter.train(was_training)
+    return out
 
 
 @functools.cache
@@ -311,6 +361,9 @@ class DFlashObjective:
             draw, self._batch_position = _seed("batch", *self._batch_position), None
         else:
             draw = int(torch.randint(0, 2**62, ()))  # the global RNG: identical on every rank (module docstring)
+        if batch.draft_steps is not None:  # a rollout's batch: the blocks its verify cycles drafted
+            plan = BlockPlan.replayed(batch, self.settings)
+            return plan.counts(), plan
         plan = BlockPlan.build(batch, self.settings, draw)
         return plan.counts(), plan
 

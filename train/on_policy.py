@@ -7,7 +7,9 @@ first loss-masked one) by the *rollout drafter* in chains of train.on_policy.dep
 (train/rollout.py: lossless, so the continuation is the target's), then the target's taps and exact teacher over
 prompt + continuation, captured as the run captures any sample. The sample carries `draft_steps`, the (anchor, TTT
 step) pairs the rollout visited, so the TTT loss replays exactly that drafting with the drafter being trained, against
-the target's distribution there: on the accepted proposals and at each rejected one (train/ttt.py target_rows).
+the target's distribution there: on the accepted proposals and at each rejected one (train/ttt.py target_rows). A
+block drafter (DFlash) drafts its whole block a cycle and trains each cycle's block on the verified positions
+(train/dflash.py BlockPlan.replayed).
 
 The target is where the run's source has it (`RolloutTarget`): in the ranks (data.source=online, any
 data.target_placement) or on vLLM's servers (data.source=vllm). Greedy rollouts (temperature 0) need of it only
@@ -39,7 +41,7 @@ from torch import Tensor, nn
 
 from data_prep.rendered import Rendered
 from data_prep.shards import Sample, as_read_back
-from train.batch import collate
+from train.batch import collate, tap_columns
 from train.config import OnPolicyConfig
 from train.rollout import Rollout, greedy_accepts, rollout
 
@@ -210,6 +212,7 @@ class OnPolicySamples:
         self.stop_ids = tuple(stop_ids)
         self._prompts = [prompt_length(base.rendered[i].loss_mask) for i in range(len(base))]
         self.drafter: nn.Module | None = None
+        self.depth = settings.depth  # drafts per verify cycle (start() says for the rollout drafter's family)
         self.drafter_step = 0  # the optimizer step whose weights the rollout drafter holds
         self.counts = dict.fromkeys(COUNTERS, 0.0)
         self.totals = dict.fromkeys(COUNTERS, 0.0)
@@ -241,7 +244,11 @@ class OnPolicySamples:
               state: dict[str, Tensor] | None = None) -> None:
         """The rollout drafter: a frozen copy of `drafter` (before the engine takes it) on this rank's device, with
         the weights of `state` (a checkpoint's, `state()`) where a run resumes."""
+        from models.registry import family_of_drafter
+
         self.drafter = copy.deepcopy(drafter).to(device=device, dtype=dtype).eval().requires_grad_(False)
+        # drafts per verify cycle: a block drafter's whole block (as it decodes), else train.on_policy.depth
+        self.depth = drafter.block_size - 1 if family_of_drafter(drafter).block_drafting else self.settings.depth
         self.refresh(state or {}, step)
 
     def refresh(self, params: dict[str, Tensor], step: int) -> None:
@@ -288,13 +295,13 @@ class OnPolicySamples:
         for i in distinct:
             prompt, budget = self._plan(i)
             if budget < 1:
-                out.append(Rollout(len(prompt), prompt, [], self.settings.depth))
+                out.append(Rollout(len(prompt), prompt, [], self.depth))
                 continue
             generator = self._generator(self.base.rendered[i].conversation_id)
-            generate = functools.partial(decode, self.target.model, self.drafter, depth=self.settings.depth,
+            generate = functools.partial(decode, self.target.model, self.drafter, depth=self.depth,
                                          temperature=self.settings.temperature, eos_token_ids=self.stop_ids,
                                          generator=generator)
-            out.append(rollout(generate, prompt, budget, self.settings.depth))
+            out.append(rollout(generate, prompt, budget, self.depth))
         return out
 
     def _replayed(self, distinct: list[int], samples: list[Sample]) -> list[Rollout]:
@@ -303,12 +310,14 @@ class OnPolicySamples:
 
         drafts_of = family_of_drafter(self.drafter).greedy_drafts_fn
         device = next(self.drafter.parameters()).device
+        source = list(self.manifest.tap_layers)  # the capture's taps; the drafter reads its own among them
+        columns = tap_columns(source, self.drafter.tap_layers, "the rollouts' capture")
         out = []
         for i, sample in zip(distinct, samples):
-            drafts = drafts_of(self.drafter, collate([sample]).to(device), self.settings.depth)[0].cpu()
+            batch = collate([sample]).select_taps(columns, len(source)).to(device)
+            drafts = drafts_of(self.drafter, batch, self.depth)[0].cpu()
             tokens, prompt_len = sample.input_ids.tolist(), len(self._plan(i)[0])
-            out.append(Rollout(prompt_len, tokens, greedy_accepts(tokens, prompt_len, drafts, self.settings.depth),
-                               self.settings.depth))
+            out.append(Rollout(prompt_len, tokens, greedy_accepts(tokens, prompt_len, drafts, self.depth), self.depth))
         return out
 
     def _capture(self, rendered: list[Rendered]) -> list[Sample]:
