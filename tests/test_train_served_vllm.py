@@ -4,7 +4,10 @@ One prep of the embedded target's data captured by vLLM (capture.engine=vllm); t
 the offline run on that prep, and a run fed live by the vLLM server training starts, killed with kill -9 (every
 training process at once, as a node's loss or an OOM kill of the job does) after a checkpoint and resumed. It must
 leave no vLLM process behind, and the resumed run's per-step losses must be the offline run's within 1e-4 relative
-over 20 steps. DRAFTERS_VLLM_PYTHON names the python of a vLLM install; skipped without it.
+over 20 steps. Then the on-policy stage (train.on_policy, greedy) rolling out on that vLLM server at 2 ranks against
+the same stage with the transformers target in the rank: the same rollouts (greedy text, verify cycles, accepted
+drafts, replayed pairs, step by step) and losses within the two engines' feature difference. DRAFTERS_VLLM_PYTHON
+names the python of a vLLM install; skipped without it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_prep
-from train_runs import ROOT, assert_close_curves, clean_env, records, torchrun
+from train_runs import ROOT, assert_close_curves, clean_env, records, torchrun, train_in_one_process
 
 from infra.processes import free_port
 from infra.vllm_server import group_members
@@ -58,12 +61,17 @@ def _members(groups: set[int]) -> set[int]:
     return set().union(*(group_members(g) for g in groups))
 
 
-def test_two_ranks_fed_by_real_vllm_equal_offline_and_kill_9_resumes(tmp_path: Path) -> None:
-    prep = tmp_path / "prep"
-    run_prep(prep, "smollm2-135m-instruct", "sharegpt-embedded", num_samples=44, eval_samples=4, max_len=384,
+@pytest.fixture(scope="module")
+def prep(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("served_vllm") / "prep"
+    run_prep(out, "smollm2-135m-instruct", "sharegpt-embedded", num_samples=44, eval_samples=4, max_len=384,
              dtype="float32", draft_vocab_count="train",
              **{"regen.enabled": False, "capture.engine": "vllm", "vllm.python": VLLM_PYTHON,
                 "vllm.engine_kwargs": ENGINE})
+    return out
+
+
+def test_two_ranks_fed_by_real_vllm_equal_offline_and_kill_9_resumes(tmp_path: Path, prep: Path) -> None:
     offline = tmp_path / "offline"
     torchrun(offline, prep, common=COMMON, timeout_s=900)
     assert len(records(offline, "train")) == 20
@@ -100,3 +108,25 @@ def test_two_ranks_fed_by_real_vllm_equal_offline_and_kill_9_resumes(tmp_path: P
     print(f"killed after step {killed_at}; resumed: {data}")
     assert data["source"] == "vllm" and data["bytes_written"] == 0 and summary["finished"]
     assert not _members(_server_groups(scratch)), "vLLM processes outlived the resumed run"
+
+
+def test_on_policy_rollouts_on_real_vllm_are_the_ranks_rollouts(tmp_path: Path, prep: Path) -> None:
+    common = [o for o in COMMON if not o.startswith(("train.max_steps=", "train.save_interval="))]
+    opd = ["train.max_steps=4", "train.save_interval=2", "train.on_policy.enabled=true",
+           "train.on_policy.max_new_tokens=16", "train.on_policy.depth=3", "train.on_policy.refresh_interval=2"]
+    train_in_one_process(prep, [(tmp_path / "online", [*opd, "data.source=online"])], common=common)
+    scratch = tmp_path / "scratch"
+    torchrun(tmp_path / "served", prep, *opd, "data.source=vllm", f"vllm.python={VLLM_PYTHON}",
+             "+vllm.engine_kwargs.enforce_eager=true", f"vllm.scratch_dir={scratch}", common=common, timeout_s=1200)
+    one, other = records(tmp_path / "online", "train"), records(tmp_path / "served", "train")
+    assert sorted(other) == sorted(one) == [1, 2, 3, 4]
+    for step in one:
+        for key in ("rollouts", "rollout_new_tokens", "rollout_cycles", "rollout_accepted", "replay_pairs"):
+            assert other[step][key] == one[step][key], (step, key, other[step][key], one[step][key])
+    assert sum(r["rollout_new_tokens"] for r in one.values()) > 0
+    # vLLM's features are the transformers target's to bf16-like precision (tests/test_prep_capture_vllm.py)
+    assert_close_curves(tmp_path / "served", tmp_path / "online", 2e-2)
+    summary = json.loads((tmp_path / "served" / "summary.json").read_text())["data"]
+    print(f"on-policy on vLLM: {summary}")
+    assert summary["source"] == "on_policy" and summary["rollouts"] == 8  # 4 steps of 2 samples
+    assert not _members(_server_groups(scratch)), "vLLM processes outlived the run"
