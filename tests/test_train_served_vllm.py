@@ -6,8 +6,8 @@ training process at once, as a node's loss or an OOM kill of the job does) after
 leave no vLLM process behind, and the resumed run's per-step losses must be the offline run's within 1e-4 relative
 over 20 steps. Then the on-policy stage (train.on_policy, greedy) rolling out on that vLLM server at 2 ranks against
 the same stage with the transformers target in the rank: the same rollouts (greedy text, verify cycles, accepted
-drafts, replayed pairs, step by step) and losses within the two engines' feature difference. DRAFTERS_VLLM_PYTHON
-names the python of a vLLM install; skipped without it.
+drafts, replayed pairs, step by step) and losses within 1e-4 relative. DRAFTERS_VLLM_PYTHON names the python of a
+vLLM install; skipped without it.
 """
 
 from __future__ import annotations
@@ -124,8 +124,8 @@ def test_on_policy_rollouts_on_real_vllm_are_the_ranks_rollouts(tmp_path: Path, 
         for key in ("rollouts", "rollout_new_tokens", "rollout_cycles", "rollout_accepted", "replay_pairs"):
             assert other[step][key] == one[step][key], (step, key, other[step][key], one[step][key])
     assert sum(r["rollout_new_tokens"] for r in one.values()) > 0
-    # vLLM's features are the transformers target's to bf16-like precision (tests/test_prep_capture_vllm.py)
-    assert_close_curves(tmp_path / "served", tmp_path / "online", 2e-2)
+    # fp32 vLLM features are the transformers target's to ~1e-6 relative (tests/test_prep_capture_vllm.py)
+    assert_close_curves(tmp_path / "served", tmp_path / "online", RTOL)
     summary = json.loads((tmp_path / "served" / "summary.json").read_text())["data"]
     print(f"on-policy on vLLM: {summary}")
     assert summary["source"] == "on_policy" and summary["rollouts"] == 8  # 4 steps of 2 samples
