@@ -20,6 +20,7 @@ from train_runs import (
     ONLINE_COMMON,
     WEIGHT_ATOL,
     assert_close_curves,
+    assert_same_rollouts,
     records,
     torchrun,
     train_in_one_process,
@@ -138,12 +139,7 @@ def test_a_partitioned_or_split_target_rolls_out_what_a_whole_copy_does(runs, pl
     batched call a step in lockstep, captured in one batched forward. The same rollouts as whole copies (every
     counter), and the losses to the fp32 rounding that padding and the split reductions move (as online training's
     placements agree)."""
-    one, other = records(runs["two"], "train"), records(runs[placement], "train")
-    assert sorted(other) == sorted(one)
-    for step in one:
-        for key in ("rollouts", "rollout_new_tokens", "rollout_cycles", "rollout_accepted", "replay_pairs",
-                    "replay_rejected"):
-            assert other[step][key] == one[step][key], (step, key)
+    assert_same_rollouts(runs[placement], runs["two"])
     assert_close_curves(runs[placement], runs["two"], rtol=1e-5)
     summary = records(runs[placement], "summary")[4]["data"]
     assert summary["rollouts"] == 8 and summary["target_forwards"] == 4  # rank 0's: one batched capture a step

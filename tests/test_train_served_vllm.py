@@ -22,7 +22,15 @@ from pathlib import Path
 
 import pytest
 from conftest import run_prep
-from train_runs import ROOT, assert_close_curves, clean_env, records, torchrun, train_in_one_process
+from train_runs import (
+    ROOT,
+    assert_close_curves,
+    assert_same_rollouts,
+    clean_env,
+    records,
+    torchrun,
+    train_in_one_process,
+)
 
 from infra.processes import free_port
 from infra.vllm_server import group_members
@@ -119,14 +127,12 @@ def test_on_policy_rollouts_on_real_vllm_are_the_ranks_rollouts(tmp_path: Path, 
     torchrun(tmp_path / "served", prep, *opd, "data.source=vllm", f"vllm.python={VLLM_PYTHON}",
              "+vllm.engine_kwargs.enforce_eager=true", f"vllm.scratch_dir={scratch}", common=common, timeout_s=1200)
     one, other = records(tmp_path / "online", "train"), records(tmp_path / "served", "train")
-    assert sorted(other) == sorted(one) == [1, 2, 3, 4]
-    for step in one:
-        for key in ("rollouts", "rollout_new_tokens", "rollout_cycles", "rollout_accepted", "replay_pairs"):
-            assert other[step][key] == one[step][key], (step, key, other[step][key], one[step][key])
-    assert sum(r["rollout_new_tokens"] for r in one.values()) > 0
+    assert sorted(one) == [1, 2, 3, 4] and sum(r["rollout_new_tokens"] for r in one.values()) > 0
+    assert_same_rollouts(tmp_path / "served", tmp_path / "online")
     # fp32 vLLM features are the transformers target's to ~1e-6 relative (tests/test_prep_capture_vllm.py)
     assert_close_curves(tmp_path / "served", tmp_path / "online", RTOL)
+    worst = max(abs(other[s]["loss"] - one[s]["loss"]) / abs(one[s]["loss"]) for s in one)
     summary = json.loads((tmp_path / "served" / "summary.json").read_text())["data"]
-    print(f"on-policy on vLLM: {summary}")
+    print(f"on-policy on vLLM: largest relative loss difference to the in-rank target {worst:.1e}; {summary}")
     assert summary["source"] == "on_policy" and summary["rollouts"] == 8  # 4 steps of 2 samples
     assert not _members(_server_groups(scratch)), "vLLM processes outlived the run"

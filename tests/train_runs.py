@@ -107,6 +107,19 @@ def killed_after(run: Path, step: int, copy: Path) -> Path:
     return copy
 
 
+ROLLOUT_COUNTERS = ("rollouts", "rollout_new_tokens", "rollout_cycles", "rollout_accepted", "replay_pairs",
+                    "replay_rejected")
+
+
+def assert_same_rollouts(run: Path, ref: Path) -> None:
+    """The same steps and, at each, the same rollouts: every counter of train.on_policy's in metrics.jsonl."""
+    r, x = records(run, "train"), records(ref, "train")
+    assert sorted(r) == sorted(x)
+    for step in x:
+        for key in ROLLOUT_COUNTERS:
+            assert r[step][key] == x[step][key], (step, key, r[step][key], x[step][key])
+
+
 def assert_close_curves(run: Path, ref: Path, rtol: float) -> None:
     """The same batches (valid counts, learning rates) and losses within `rtol`, step by step."""
     r, x = records(run, "train"), records(ref, "train")
