@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
+from infra.config_keys import ConfigError
 from infra.precision import DTYPES
 
 WARMUP_TOKENS = 8  # `warmup`: the tokens of the untimed request each method (and each engine server) answers first
@@ -83,38 +84,47 @@ class EvalConfig:
     vllm: EngineVLLMConfig = field(default_factory=EngineVLLMConfig)
 
     def validate(self) -> None:
+        """ConfigError, a user error naming the key, for values the types cannot refuse (ranges, choices,
+        combinations); launch/eval.py reports it in one line with exit status 2 before anything loads."""
         if self.dtype is not None and self.dtype not in ("auto", *DTYPES):
-            raise ValueError(f"dtype must be auto|{'|'.join(DTYPES)}, got {self.dtype!r}")
+            raise ConfigError(f"dtype must be auto|{'|'.join(DTYPES)}, got {self.dtype!r}")
         d = self.decode
         if d.mode not in ("tree", "chain"):
-            raise ValueError(f"decode.mode must be tree|chain, got {d.mode!r}")
-        if d.depth < 1 or d.topk < 1 or d.total_tokens < 1:
-            raise ValueError("decode.depth, decode.topk and decode.total_tokens must be >= 1")
-        if d.max_new_tokens < 1:
-            raise ValueError("decode.max_new_tokens must be >= 1")
-        if d.temperature < 0 or not 0 < d.top_p <= 1 or d.top_k < 0:
-            raise ValueError("need decode.temperature >= 0, 0 < decode.top_p <= 1, decode.top_k >= 0")
+            raise ConfigError(f"decode.mode must be tree|chain, got {d.mode!r}")
+        for key in ("depth", "topk", "total_tokens", "max_new_tokens"):
+            if getattr(d, key) < 1:
+                raise ConfigError(f"decode.{key} must be >= 1, got {getattr(d, key)}")
+        if d.temperature < 0:
+            raise ConfigError(f"decode.temperature must be >= 0, got {d.temperature}")
+        if not 0 < d.top_p <= 1:
+            raise ConfigError(f"decode.top_p must be in (0, 1], got {d.top_p}")
+        if d.top_k < 0:
+            raise ConfigError(f"decode.top_k must be >= 0, got {d.top_k}")
         if d.budget not in ("fixed", "adaptive"):
-            raise ValueError(f"decode.budget must be fixed|adaptive, got {d.budget!r}")
+            raise ConfigError(f"decode.budget must be fixed|adaptive, got {d.budget!r}")
         if d.sample_drafts and d.mode != "chain":
-            raise ValueError("decode.sample_drafts applies to chain mode only (tree drafts are top-k)")
+            raise ConfigError("decode.sample_drafts applies to chain mode only (tree drafts are top-k)")
         if d.auto_total_tokens and (not d.total_tokens_candidates or min(d.total_tokens_candidates) < 1):
-            raise ValueError("decode.total_tokens_candidates must be positive sizes")
+            raise ConfigError(f"decode.total_tokens_candidates must be positive sizes, got {d.total_tokens_candidates}")
         if self.engine not in ("none", "vllm"):
-            raise ValueError(f"engine must be none|vllm, got {self.engine!r}")
+            raise ConfigError(f"engine must be none|vllm, got {self.engine!r}")
         v = self.vllm
         if self.engine == "vllm" and (d.mode != "chain" or d.budget != "fixed"):
-            raise ValueError("engine=vllm compares vLLM's EAGLE chain of decode.depth drafts with ours: it needs "
-                             "decode.mode=chain and decode.budget=fixed")
+            raise ConfigError("engine=vllm compares vLLM's EAGLE chain of decode.depth drafts with ours: it needs "
+                              f"decode.mode=chain and decode.budget=fixed, got decode.mode={d.mode} and "
+                              f"decode.budget={d.budget}")
         if (v.concurrency or v.num_speculative_tokens) and self.engine != "vllm":
-            raise ValueError("vllm.concurrency / vllm.num_speculative_tokens are sweeps through the engine: set "
-                             "engine=vllm")
+            raise ConfigError("vllm.concurrency / vllm.num_speculative_tokens are sweeps through the engine: set "
+                              "engine=vllm")
         fixed = [k for k in ("enforce_eager", "generation_config") if v.kwarg(k) is not None]
         if fixed:
-            raise ValueError(f"vllm.engine_kwargs cannot set {fixed}: vllm.enforce_eager sets the mode, and the "
-                             "servers ignore the model's generation_config.json so that both sides sample alike")
-        if min([*v.concurrency, 1]) < 1 or min([*v.num_speculative_tokens, 1]) < 1 or v.load_rounds < 1:
-            raise ValueError("vllm.concurrency, vllm.num_speculative_tokens and vllm.load_rounds must be >= 1")
+            raise ConfigError(f"vllm.engine_kwargs cannot set {fixed}: vllm.enforce_eager sets the mode, and the "
+                              "servers ignore the model's generation_config.json so that both sides sample alike")
+        for key in ("concurrency", "num_speculative_tokens"):
+            if min([*getattr(v, key), 1]) < 1:
+                raise ConfigError(f"vllm.{key} must be sizes >= 1, got {getattr(v, key)}")
+        if v.load_rounds < 1:
+            raise ConfigError(f"vllm.load_rounds must be >= 1, got {v.load_rounds}")
         if d.mode == "chain" and (d.auto_total_tokens or d.total_tokens != DecodeConfig.total_tokens):
             import warnings
 

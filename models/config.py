@@ -11,6 +11,7 @@ import dataclasses
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
+from infra.config_keys import ConfigError
 from models.rope import SUPPORTED_ROPE_TYPES
 
 FULL_ATTENTION = "full_attention"  # the layer type whose rotary settings a drafter takes (rope_from_hf)
@@ -126,12 +127,12 @@ GEOMETRY_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", 
 
 
 def check_geometry(cfg: Any, what: str, positive: tuple[str, ...] = ()) -> None:
-    """Raise ValueError(f"{what}: ...") where a drafter config's Llama-block geometry (the fields
+    """Raise ConfigError(f"{what}: ...") where a drafter config's Llama-block geometry (the fields
     `target_geometry` gives every family, head_dim resolved; plus the family's own `positive` int fields) cannot
     be built: what every family's `validate` and prep's `check_trainable_target` check, once."""
     def need(ok: bool, msg: str) -> None:
         if not ok:
-            raise ValueError(f"{what}: {msg}")
+            raise ConfigError(f"{what}: {msg}")
 
     for name in (*GEOMETRY_FIELDS, *positive):
         value = getattr(cfg, name)
@@ -149,11 +150,11 @@ def check_geometry(cfg: Any, what: str, positive: tuple[str, ...] = ()) -> None:
 
 
 def check_layer_ids(ids: list[int], num_layers: int | None, what: str, name: str) -> None:
-    """Raise ValueError(f"{what}: ...") unless `ids` (called `name`) are distinct 0-based decoder layer ids of a
+    """Raise ConfigError(f"{what}: ...") unless `ids` (called `name`) are distinct 0-based decoder layer ids of a
     `num_layers`-layer target (None: range unchecked)."""
     def need(ok: bool, msg: str) -> None:
         if not ok:
-            raise ValueError(f"{what}: {msg}")
+            raise ConfigError(f"{what}: {msg}")
 
     need(len(ids) > 0, f"{name} is empty")
     need(len(set(ids)) == len(ids), f"duplicate {name} {ids}")

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from infra.config_keys import ConfigError
 from models.config import (
     check_geometry,
     check_layer_ids,
@@ -111,7 +112,7 @@ class DFlashConfig:
     def validate(self) -> DFlashConfig:
         def need(ok: bool, msg: str) -> None:
             if not ok:
-                raise ValueError(f"DFlashConfig: {msg}")
+                raise ConfigError(f"DFlashConfig: {msg}")
 
         check_geometry(self, "DFlashConfig", positive=("num_hidden_layers",))
         need(self.block_size >= 2, f"block_size must be >= 2 (one known token + predictions), got {self.block_size}")

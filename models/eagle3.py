@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from infra.config_keys import ConfigError
 from models.attention import DecodeCache, TTTCache
 from models.config import (
     check_geometry,
@@ -109,8 +110,8 @@ class Eagle3Config:
     def validate(self) -> Eagle3Config:
         check_geometry(self, "Eagle3Config", positive=("draft_vocab_size", "target_hidden_size"))
         if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(f"Eagle3Config: draft_vocab_size ({self.draft_vocab_size}) > vocab_size "
-                             f"({self.vocab_size})")
+            raise ConfigError(f"Eagle3Config: draft_vocab_size ({self.draft_vocab_size}) > vocab_size "
+                              f"({self.vocab_size})")
         check_layer_ids(self.tap_layers, self.target_num_layers, "Eagle3Config", "tap_layers")
         if self.n_taps != 3:
             warnings.warn(f"{self.n_taps} taps: vLLM and SGLang build fc with 3 * target_hidden_size inputs, "

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eval.prompts import load_prompts
+from eval.prompts import PromptsError, load_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ def test_jsonl_prompts(tmp_path) -> None:
     f.write_text('{"text": "no turns"}\n')
     with pytest.raises(ValueError, match="turns"):
         load_prompts(str(f))
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(PromptsError, match="neither a suite .* nor a JSONL file"):
         load_prompts(str(tmp_path / "missing.jsonl"))
 
 

@@ -57,9 +57,9 @@ def test_num_prompts_caps_every_category_and_lists_and_all_combine() -> None:
 
 
 def test_unknown_suites_are_named() -> None:
-    with pytest.raises(FileNotFoundError, match=r"\['nope'\] are not suites"):
+    with pytest.raises(PromptsError, match=r"\['nope'\] are not suites"):
         load_prompts("mtbench,nope")
-    with pytest.raises(FileNotFoundError, match="neither a suite"):
+    with pytest.raises(PromptsError, match="neither a suite"):
         load_prompts("nope")
 
 
@@ -91,7 +91,7 @@ def test_a_broken_suite_record_names_its_file_and_line(tmp_path, monkeypatch) ->
     with pytest.raises(PromptsError, match=r"en\.json: not the mathy file this loader reads"):
         load_prompts("mathy")
     monkeypatch.setitem(SUITES, "gone", Suite("gone", "no_such_package_here", "gone==1", "x.jsonl", "test"))
-    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps gone==1"):
+    with pytest.raises(PromptsError, match="pip install --no-deps gone==1"):
         load_prompts("gone")
 
 
