@@ -8,7 +8,8 @@
     target.py       HF CausalLM forward with feature taps and tree masks; KV surgery (keep_kv)
     spec_decode.py  SpeculativeDecoder.generate and plain_generate (token ids only), GenerationRecord
     metrics.py      τ pooled / per request, α_n, accepted-length histogram
-    budget.py       choose_total_tokens: time the target to pick the verify budget m
+    budget.py       the verify budget m: choose_total_tokens (the best predicted speedup, m = 0 included, from
+                    forwards timed at decoding's context and a probe's acceptance), AdaptiveBudget per cycle
     prompts.py      the shipped suites and JSONL prompts (validated: file and line named), chat rendering
     categories.py   per (suite, category): τ with a bootstrap interval (5 prompts or more), α, outputs, tokens/s
     engine.py       the same prompts through vLLM's own server serving the export (engine=vllm): its counters,

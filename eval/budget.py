@@ -2,21 +2,25 @@
 
 Speculation pays while verifying m + 1 tokens costs about one decode step. On a GPU that holds for
 dozens of tokens; on a CPU the m-token forward is a matrix-matrix product and grows much sooner.
-Two ways to use the timings: `choose_total_tokens` fixes one m before decoding (a tolerance on the verify
-cost); `AdaptiveBudget` picks m every cycle from the drafted tree's own probabilities and a cost model
-(`VerifyCost` + the cycle's measured overhead), down to m = 0 (a plain step) when no draft is worth it.
+Two ways to use the timings: `choose_total_tokens` fixes one m before decoding (the best predicted speedup
+from verify costs timed at the context decoding reaches and the drafter's acceptance on a probe, m = 0 plain
+decoding included); `AdaptiveBudget` picks m every cycle from the drafted tree's own probabilities and a cost
+model (`VerifyCost` + the cycle's measured overhead), down to m = 0 (a plain step) when no draft is worth it.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from eval.target import TargetRunner
+from eval.tree import DraftTree
 
 
 @torch.no_grad()
@@ -47,69 +51,202 @@ def time_verify_forward(
     return times[len(times) // 2]
 
 
+# A cycle's target forward for candidate m, in seconds: m = 0 the plain step, m >= 1 the verify of m + 1 tokens.
+# `ForwardTimer` times the real target; tests script it.
+Timer = Callable[[int], float]
+
+# Interleaved timing passes per candidate: a median of 5 outlives two spikes in any candidate's column.
+AUTO_PASSES = 5
+
+
+class ForwardTimer:
+    """One target forward per call, after a `context_len`-token prefix kept in a cache (the context decoding
+    reaches): m = 0 is plain decoding's step (1 token, causal, no taps, the last logits), m >= 1 a verify forward of
+    m + 1 tokens with a 4D mask and the drafter's taps, as SpeculativeDecoder runs them."""
+
+    def __init__(self, target: TargetRunner, context_len: int, seed: int = 0) -> None:
+        self.target, self.context_len = target, context_len
+        self.vocab = int(target.model.config.get_text_config().vocab_size)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.cache = target.new_cache()
+        target.forward(torch.randint(0, self.vocab, (context_len,), generator=self.gen).tolist(), self.cache,
+                       want_taps=False, last_logits_only=True)
+
+    @torch.no_grad()
+    def __call__(self, m: int) -> float:
+        n, ctx, target = m + 1, self.context_len, self.target
+        ids = torch.randint(0, self.vocab, (n,), generator=self.gen)
+        if m:
+            allowed = torch.ones(n, ctx + n, dtype=torch.bool).tril(ctx)  # a chain: same shapes as any tree's mask
+            pos = torch.arange(ctx, ctx + n)
+        cuda = target.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(target.device)
+        t0 = time.perf_counter()
+        if m:
+            target.forward(ids, self.cache, pos, allowed)
+        else:
+            target.forward(ids, self.cache, want_taps=False, last_logits_only=True)
+        if cuda:
+            torch.cuda.synchronize(target.device)
+        seconds = time.perf_counter() - t0
+        self.cache.crop(-n)
+        return seconds
+
+
+def interleaved_costs(timer: Timer, candidates: Sequence[int], passes: int = AUTO_PASSES) -> dict[int, float]:
+    """Median seconds per candidate (m = 0, the plain step, always among them) of `passes` timings taken round-robin:
+    every shape is run once untimed first (first-call costs: allocator, kernel choice), then each pass times every
+    shape once, starting one shape later than the pass before. A load spike on the machine then lands in one
+    sample of several shapes rather than in all samples of one, and the median drops it."""
+    shapes = sorted({0, *candidates})
+    for m in shapes:
+        timer(m)
+    samples: dict[int, list[float]] = {m: [] for m in shapes}
+    for p in range(passes):
+        for i in range(len(shapes)):
+            m = shapes[(p + i) % len(shapes)]
+            samples[m].append(timer(m))
+    return {m: statistics.median(s) for m, s in samples.items()}
+
+
+def decode_context_len(prompt_lens: Sequence[int], max_new_tokens: int) -> int:
+    """The context a verify forward sees on average while decoding these prompts: a turn's verifies run after its
+    prompt and 0 … max_new_tokens generated tokens, and a forward's cost grows about linearly with its context, so
+    the mean prompt length plus half the generation budget stands for all of them."""
+    return round(sum(prompt_lens) / len(prompt_lens) + max_new_tokens / 2) if prompt_lens else max_new_tokens // 2
+
+
 @dataclass
-class BudgetChoice:
-    """The verify budget m `choose_total_tokens` picked, the timings it picked it from, and why."""
+class TreeProbe:
+    """The drafter's acceptance at every candidate m, read off cycles decoded with the largest tree M.
 
-    m: int
-    timings: dict[int, float]  # m -> seconds of the (m + 1)-token forward; 0: the 1-token reference
-    tolerance: float
-    within_tolerance: bool  # False: nothing fitted, m is the smallest candidate
-    not_monotonic: list[int]  # candidates that fitted again above one that did not (ignored as noise)
-    reason: str
+    A tree of budget m is the best m nodes of the same drafted tree (eval/drafting.py draft_tree; a child never
+    outranks its parent, so they form a connected tree). Greedy verification follows the target's argmax from the
+    root; in the best-m tree it follows the same path as long as the path's nodes rank among the best m, and stops
+    at the first that does not. So the drafts accepted at m are the leading nodes of the M-tree's accepted path
+    ranked below m: exact per cycle for greedy decoding; at T > 0 the fewer siblings of a smaller tree change the
+    rejection sampling's odds, and this reads them as at M."""
 
-    def ratios(self) -> dict[int, float]:
-        return {m: t / self.timings[0] for m, t in self.timings.items() if m}
+    ranks: list[list[int]] = field(default_factory=list)  # per cycle: the accepted path's ranks (0 = best node)
+    largest: int = 0  # the m the probe decoded with
+
+    def record(self, tree: DraftTree, path: list[int]) -> None:
+        """SpeculativeDecoder's per-cycle hook: the verified tree and the accepted block indices (root first)."""
+        order = torch.sort(-tree.values[1:], stable=True).indices  # keep_best's ranking: ties to the earlier node
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel())
+        self.ranks.append([int(rank[i - 1]) for i in path[1:]])
+
+    @property
+    def cycles(self) -> int:
+        return len(self.ranks)
+
+    def accepted(self, m: int) -> list[int]:
+        """Per cycle, the drafts a best-m tree accepts."""
+        out = []
+        for ranks in self.ranks:
+            k = 0
+            while k < len(ranks) and ranks[k] < m:
+                k += 1
+            out.append(k)
+        return out
+
+    def tau(self, m: int) -> float:
+        """Tokens a cycle emits at m (accepted drafts + the bonus token), mean over the probe's cycles."""
+        acc = self.accepted(m)
+        return 1.0 + sum(acc) / len(acc) if acc else 1.0
+
+    def alpha(self, m: int, depth: int) -> list[float | None]:
+        """α_n at m, n = 0 … depth − 1: P(the depth-n draft accepted | every draft before it accepted); None where
+        no cycle reached depth n (as eval/metrics.py per_position_acceptance)."""
+        acc = self.accepted(m)
+        return [(sum(a > n for a in acc) / reached) if (reached := sum(a >= n for a in acc)) else None
+                for n in range(depth)]
+
+
+@dataclass
+class CycleOverhead:
+    """Our decoder's time per cycle outside its verify forward, measured on the probe's tree of M: drafting, and the
+    rest (mask, acceptance, KV cut, the drafter's catch-up, bookkeeping). Drafting a tree of m runs
+    min(depth, m) − 1 level forwards after the root's logits (no level deeper than m can hold one of the best m
+    nodes), so its time is scaled by min(depth, m) of the probe's min(depth, M); the rest does not depend on m.
+    m = 0 is plain decoding: no cycle, no overhead."""
+
+    draft_s: float
+    other_s: float
+    depth: int
+    largest: int
+
+    @classmethod
+    def from_records(cls, records, depth: int, largest: int) -> CycleOverhead:
+        cycles = sum(r.verify_forwards for r in records)
+        draft = sum(r.phase_s.get("draft", 0.0) for r in records)
+        outside = sum(r.time_s - r.phase_s.get("prefill", 0.0) - r.phase_s.get("verify", 0.0) for r in records)
+        return cls(draft / cycles if cycles else 0.0, max(0.0, outside - draft) / cycles if cycles else 0.0,
+                   depth, largest)
+
+    def __call__(self, m: int) -> float:
+        if m == 0:
+            return 0.0
+        return self.other_s + self.draft_s * min(self.depth, m) / min(self.depth, self.largest)
+
+
+# The rule `choose_total_tokens` applies, as the report states it.
+CHOICE_DEFINITION = (
+    "predicted_speedup(m) = tau(m) · T(0) / (T(m) + overhead(m)): what a cycle emits over what it costs in plain "
+    "steps. T(0) = the plain step (1 token, no mask, no taps), T(m) = the verify forward of m + 1 tokens (mask and "
+    "taps), each the median of interleaved passes after context_len tokens (mean prompt + half of max_new_tokens); "
+    "tau(m) = 1 + the drafts a tree of the best m nodes accepts per cycle, read off the probe's cycles at the "
+    "largest candidate; overhead(m) = our decoder's time per cycle outside the verify forward on the probe, its "
+    "drafting scaled by min(depth, m). m = 0 is plain decoding (speedup 1); the best predicted speedup is chosen, "
+    "the smaller m on a tie")
+
+
+@dataclass
+class TotalTokensChoice:
+    """The verify budget m `choose_total_tokens` picked, every candidate's predicted speedup, and what they came
+    from."""
+
+    chosen: int
+    candidates: list[dict]  # per m ascending, 0 first: m, verify_cost (s), tau, overhead_s, predicted_speedup
+    context_len: int
+    passes: int
+    probe: dict  # what the acceptance was read from: the probe's m, prompts, cycles
+
+    @property
+    def timings(self) -> dict[int, float]:
+        """m -> seconds of the cycle's target forward (0: the plain step)."""
+        return {c["m"]: c["verify_cost"] for c in self.candidates}
+
+    @property
+    def reason(self) -> str:
+        shown = ", ".join(f"m={c['m']} {c['predicted_speedup']:.2f}x" + (f" (τ {c['tau']:.2f})" if c["m"] else "")
+                          for c in self.candidates)
+        what = "plain decoding: no candidate is predicted to pay" if self.chosen == 0 else "the best predicted speedup"
+        return (f"m={self.chosen}, {what} ({shown}; verify costs at {self.context_len} tokens of context, "
+                f"acceptance from {self.probe['cycles']} probe cycles at m={self.probe['m']})")
 
     def to_dict(self) -> dict:
-        return {"m": self.m, "tolerance": self.tolerance, "within_tolerance": self.within_tolerance,
-                "cost_ratio": self.ratios(), "not_monotonic": self.not_monotonic, "reason": self.reason}
+        return {"chosen": self.chosen, "candidates": self.candidates, "context_len": self.context_len,
+                "passes": self.passes, "probe": self.probe, "reason": self.reason, "definition": CHOICE_DEFINITION}
 
 
-def pick_total_tokens(timings: dict[int, float], candidates: list[int], tolerance: float) -> BudgetChoice:
-    """From ascending candidates, the largest m before the first whose verify forward takes more than `tolerance`
-    x the 1-token forward (timings[0]). A verify forward does not get cheaper with more tokens, so a larger m
-    that fits again after one that did not is noise in the timings: the cheaper size is kept, and named. When
-    not even the smallest fits, it is chosen and the choice says so (tree decoding may not pay on this machine)."""
-    sizes = sorted(set(candidates))
-    ratio = {m: timings[m] / timings[0] for m in sizes}
-    fits = [m for m in sizes if ratio[m] <= tolerance]
-    prefix = []
-    for m in sizes:
-        if ratio[m] > tolerance:
-            break
-        prefix.append(m)
-    shown = ", ".join(f"m={m} {ratio[m]:.2f}x" for m in sizes)
-    if not prefix:
-        m = sizes[0]
-        return BudgetChoice(m, timings, tolerance, False, [], (
-            f"m={m}, the smallest candidate: none is within the tolerance {tolerance}x of a 1-token forward "
-            f"({shown}); tree decoding may not pay on this machine (try decode.mode=chain or decode.budget=adaptive, "
-            f"or a larger decode.auto_tolerance)"))
-    m = prefix[-1]
-    noise = [c for c in fits if c > m]
-    reason = f"m={m}, the largest candidate whose verify forward is within {tolerance}x of a 1-token forward ({shown})"
-    if noise:
-        over = sizes[len(prefix)]
-        reason += (f"; {', '.join(f'm={c}' for c in noise)} fitted again above m={over}, which did not: timings not "
-                   f"monotonic (noise), so the cheaper m={m} is kept")
-    return BudgetChoice(m, timings, tolerance, True, noise, reason)
-
-
-def choose_total_tokens(
-    target: TargetRunner,
-    candidates: list[int],
-    tolerance: float = 1.3,
-    context_len: int = 128,
-    repeats: int = 3,
-) -> BudgetChoice:
-    """Time the (m + 1)-token verify forward of every candidate m against a 1-token forward and pick m
-    (`pick_total_tokens`: the rule, and what it says about its choice)."""
-    time_verify_forward(target, 1, context_len, 1)  # first-call costs (allocator, kernel setup) land here
-    timings = {0: time_verify_forward(target, 1, context_len, repeats)}
-    for m in sorted(set(candidates)):
-        timings[m] = time_verify_forward(target, m + 1, context_len, repeats)
-    return pick_total_tokens(timings, candidates, tolerance)
+def choose_total_tokens(costs: dict[int, float], tau: Callable[[int], float], overhead: Callable[[int], float],
+                        context_len: int, passes: int = AUTO_PASSES, probe: dict | None = None) -> TotalTokensChoice:
+    """The candidate m (costs' keys, 0 = plain decoding among them) of the best predicted speedup
+    (CHOICE_DEFINITION): τ(m) tokens a cycle emits over the cycle's cost in plain steps, T(0) / (T(m) +
+    overhead(m)). Every candidate is weighed, so a cheap m above a costly one (timings that are not monotone)
+    competes on its own figures; ties go to the smaller m."""
+    if 0 not in costs or costs[0] <= 0:
+        raise ValueError(f"need the plain step's time (m = 0) and positive times, got {costs}")
+    rows = []
+    for m in sorted(costs):
+        t = tau(m) if m else 1.0
+        speedup = 1.0 if m == 0 else t * costs[0] / (costs[m] + overhead(m))
+        rows.append({"m": m, "verify_cost": costs[m], "tau": t, "overhead_s": overhead(m), "predicted_speedup": speedup})
+    best = max(rows, key=lambda r: (r["predicted_speedup"], -r["m"]))
+    return TotalTokensChoice(best["m"], rows, context_len, passes, probe or {})
 
 
 # Block sizes timed for the cost model (root + drafts); linear in between, the last slope beyond.
@@ -241,16 +378,21 @@ class CycleCost:
     """What a speculative cycle costs, measured: target forwards of n tokens (with the verify's mask and taps) and
     the decoder's time per cycle outside its verify forward (drafting, masks, acceptance, caches, bookkeeping)."""
 
-    forward_s: dict[int, float]  # n tokens -> median seconds, after a 128-token prefix
+    forward_s: dict[int, float]  # n tokens -> median seconds, after a context_len-token prefix
     overhead_s: float  # per verify cycle, from the speculative records
+    context_len: int = 128
 
     @classmethod
     def measure(cls, target: TargetRunner, sizes: list[int], records) -> CycleCost:
-        time_verify_forward(target, 1, 128, 1)  # first-call costs land here
-        forward = {n: time_verify_forward(target, n, 128, 3) for n in sorted({1, *sizes})}
+        """The forwards timed after the context the records' verifies saw on average: each record's prompt and
+        half its output (decode_context_len's reasoning, on what was decoded)."""
+        ctx = (round(sum(r.prompt_len + len(r.output_ids) / 2 for r in records) / len(records)) if records
+               else 128)
+        time_verify_forward(target, 1, ctx, 1)  # first-call costs land here
+        forward = {n: time_verify_forward(target, n, ctx, 3) for n in sorted({1, *sizes})}
         cycles = sum(r.verify_forwards for r in records)
         outside = sum(r.time_s - r.phase_s.get("prefill", 0.0) - r.phase_s.get("verify", 0.0) for r in records)
-        return cls(forward, outside / cycles if cycles else 0.0)
+        return cls(forward, outside / cycles if cycles else 0.0, ctx)
 
     def predicted_speedup(self, tau: float | None, block: int, concurrency: int = 1,
                           drafting: bool = True) -> float | None:
@@ -266,7 +408,8 @@ class CycleCost:
 
     def to_dict(self) -> dict:
         return {"forward_s": {str(n): s for n, s in self.forward_s.items()}, "overhead_s": self.overhead_s,
+                "context_len": self.context_len,
                 "definition": "speedup_predicted = τ · T(c) / (T(c · (m + 1)) + overhead · T(c) / T(1)); T(n) = "
                               "median target forward of n tokens with the verify's mask and taps after a "
-                              "128-token prefix; overhead = our decoder's time per cycle outside its verify forward "
+                              "context_len-token prefix (the mean prompt + half the output decoded); overhead = our decoder's time per cycle outside its verify forward "
                               "(left out for the engine under load: τ · T(c) / T(c · (m + 1)))"}

@@ -18,9 +18,11 @@ class DecodeConfig:
     depth: int = 6  # tree levels = most drafts one step can accept (chain: K)
     topk: int = 8  # tree: children per expanded node and nodes expanded per level
     total_tokens: int = 60  # tree: drafted nodes verified per step (block = total_tokens + 1 root)
-    auto_total_tokens: bool = False  # time the target (choose_total_tokens) and pick total_tokens
+    # pick total_tokens: the candidate of the best predicted speedup, m = 0 (plain decoding) among them, from the
+    # target's forwards timed at the context decoding reaches and the drafter's acceptance on a probe
+    # (eval/budget.py choose_total_tokens)
+    auto_total_tokens: bool = False
     total_tokens_candidates: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 60])
-    auto_tolerance: float = 1.3  # the largest m before the first whose verify forward > tolerance x a 1-token one
     # fixed: verify every drafted node (tree: total_tokens, chain: depth). adaptive: each cycle verifies the
     # best m of them that a cost model fed by the target's timings expects to pay, m = 0 included
     # (eval/budget.py AdaptiveBudget); with a tree, total_tokens (or auto_total_tokens' pick) is the most m.

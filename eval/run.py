@@ -21,7 +21,18 @@ import torch
 
 from data_prep.chat import stop_token_ids
 from eval import metrics
-from eval.budget import AdaptiveBudget, CycleCost, VerifyCost, choose_total_tokens
+from eval.budget import (
+    AdaptiveBudget,
+    CycleCost,
+    CycleOverhead,
+    ForwardTimer,
+    Timer,
+    TreeProbe,
+    VerifyCost,
+    choose_total_tokens,
+    decode_context_len,
+    interleaved_costs,
+)
 from eval.categories import (
     CI_DEFINITION,
     MIN_CI_PROMPTS,
@@ -169,8 +180,9 @@ def release_device(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
-    """The evaluation of `cfg` (module docstring) -> the report, also written to cfg.out_dir."""
+def run_eval(cfg: EvalConfig, progress: bool = True, timer: Timer | None = None) -> dict:
+    """The evaluation of `cfg` (module docstring) -> the report, also written to cfg.out_dir. `timer` replaces the
+    target's timed forwards behind decode.auto_total_tokens (eval/budget.py Timer); None: the real ones."""
     from data_prep.targets import resolve_target
 
     cfg.validate()
@@ -184,7 +196,7 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     if (Path(cfg.drafter) / CONFIG_FILE).is_file():  # an export without one is named where the drafter loads
         check_target_id(read_export(cfg.drafter), preset, cfg.drafter)
     vllm = engine_ready(cfg.vllm.python) if cfg.engine == "vllm" else None
-    report, samples, cost, session = evaluate_ours(cfg, preset, records_in, vllm, progress)
+    report, samples, cost, session = evaluate_ours(cfg, preset, records_in, vllm, progress, timer)
     if session is not None:  # the target and drafter are released: the engine takes the device
         release_device(report["device"])
         add_engine(report, session, samples, d, report["stop_token_ids"], cost, progress)
@@ -193,7 +205,8 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict:
     return report
 
 
-def evaluate_ours(cfg: EvalConfig, preset, records_in, vllm: tuple[str, dict] | None, progress: bool):
+def evaluate_ours(cfg: EvalConfig, preset, records_in, vllm: tuple[str, dict] | None, progress: bool,
+                  timer: Timer | None = None):
     """Our evaluator: the target and drafter loaded, the engine's session prepared (`vllm`: its python and check;
     the export checked as vLLM loads it, the prompts' lengths), every prompt decoded -> (report without samples,
     samples, the cycle cost, the engine session or None). The target and drafter are not returned: they go with
@@ -213,7 +226,10 @@ def evaluate_ours(cfg: EvalConfig, preset, records_in, vllm: tuple[str, dict] | 
     eos = stop_token_ids(model, tokenizer, template_kwargs)
     params = SamplingParams(d.temperature, d.top_p, d.top_k)
 
-    decoder, budget, (total_tokens, timings, choice) = build_decoder(d, runner, drafter, progress)
+    probe = None
+    if d.mode == "tree" and d.auto_total_tokens:
+        probe = TotalTokensProbe(records_in, tokenizer, template_kwargs, params, eos, timer)
+    decoder, budget, (total_tokens, timings, choice) = build_decoder(d, runner, drafter, progress, probe)
 
     if cfg.warmup:  # first calls pay one-off allocation / kernel selection costs
         ids = render(tokenizer, records_in[0].messages(0, []), template_kwargs)
@@ -357,16 +373,84 @@ def add_engine(report: dict, session, samples: list[dict], d, eos, cost: CycleCo
     }
 
 
-def build_decoder(d, runner, drafter, progress: bool):
-    """The speculative decoder of `decode.*`: its verify budget (the tree's total tokens, measured when
+class TotalTokensProbe:
+    """What decode.auto_total_tokens measures its choice on: the first turns of the evaluated prompts (decoded once
+    with the largest candidate tree before the timed decoding), the context their verifies will see, and the timer
+    of the target's forwards at that context (`timer` replaces it: a scripted cost table)."""
+
+    PROMPTS = 4  # at most this many first turns ...
+    CYCLES = 64  # ... until this many cycles have shown the drafter's acceptance
+
+    def __init__(self, records_in, tokenizer, template_kwargs: dict, params: SamplingParams, eos,
+                 timer: Timer | None = None) -> None:
+        self.records_in, self.tokenizer, self.template_kwargs = records_in, tokenizer, template_kwargs
+        self.prompts = [render(tokenizer, r.messages(0, []), template_kwargs) for r in records_in[:self.PROMPTS]]
+        self.params, self.eos, self.timer = params, eos, timer
+
+    def context_len(self, max_new_tokens: int, max_positions: int | None, largest_block: int) -> int:
+        """decode_context_len over every turn to be decoded; a later turn's prompt holds the earlier answers, not
+        known before decoding, so each is counted at its most (max_new_tokens)."""
+        lens = [len(render(self.tokenizer, r.messages(t, [""] * t), self.template_kwargs)) + t * max_new_tokens
+                for r in self.records_in for t in range(len(r.turns))]
+        ctx = decode_context_len(lens, max_new_tokens)
+        return min(ctx, max_positions - largest_block) if max_positions else ctx
+
+    def choose(self, d, runner: TargetRunner, drafter, progress: bool):
+        """The choice (eval/budget.py choose_total_tokens): the acceptance of every candidate from the probe's
+        cycles at the largest, our decoder's overhead on them, the forwards timed round-robin at the context."""
+        largest = max(d.total_tokens_candidates)
+        decoder = SpeculativeDecoder(runner, drafter, SpecSettings("tree", d.depth, d.topk, largest, d.sample_drafts))
+        tree = TreeProbe(largest=largest)
+        # the first cycles pay one-off costs (allocator, kernel choice) that would count as overhead
+        decoder.generate(self.prompts[0], min(WARMUP_TOKENS, d.max_new_tokens), self.params, self.eos,
+                         torch.Generator().manual_seed(d.seed))
+        decoder.on_cycle = tree.record
+        records = []
+        for ids in self.prompts:
+            records.append(decoder.generate(ids, d.max_new_tokens, self.params, self.eos,
+                                            torch.Generator().manual_seed(d.seed)))
+            if tree.cycles >= self.CYCLES:
+                break
+        overhead = CycleOverhead.from_records(records, d.depth, largest)
+        max_positions = getattr(runner.model.config.get_text_config(), "max_position_embeddings", None)
+        ctx = self.context_len(d.max_new_tokens, max_positions, largest + 1)
+        timer = self.timer or ForwardTimer(runner, ctx)
+        costs = interleaved_costs(timer, d.total_tokens_candidates)
+        choice = choose_total_tokens(costs, tree.tau, overhead, ctx,
+                                     probe={"m": largest, "prompts": len(records), "cycles": tree.cycles,
+                                            "overhead_s": {"draft": overhead.draft_s, "other": overhead.other_s}})
+        for row in choice.candidates:
+            row["alpha"] = tree.alpha(row["m"], d.depth) if row["m"] else []
+        if progress:
+            print(f"auto total_tokens: {choice.reason}", flush=True)
+        return choice
+
+
+class PlainDecoder:
+    """decode.auto_total_tokens chose m = 0: no candidate tree is predicted to pay, so the speculative side decodes
+    as it would be deployed, plainly (the drafter unused); its τ is null, its speedup about 1."""
+
+    def __init__(self, runner: TargetRunner, depth: int) -> None:
+        self.runner, self.depth = runner, depth
+        self.strategy = self  # the report asks the strategy how it drafted
+
+    def describe(self) -> dict:
+        return {"mode": "plain", "total_tokens": 0}
+
+    def generate(self, prompt_ids, max_new_tokens, params, eos_token_ids=(), generator=None) -> GenerationRecord:
+        return plain_generate(self.runner, prompt_ids, max_new_tokens, params, eos_token_ids, generator)
+
+
+def build_decoder(d, runner, drafter, progress: bool, probe: TotalTokensProbe | None = None):
+    """The speculative decoder of `decode.*`: its verify budget (the tree's total tokens, chosen by `probe` when
     decode.auto_total_tokens) and adaptive budget -> (decoder, adaptive budget or None, (total tokens, the timings
     behind the choice, the choice))."""
     total_tokens, timings, choice = d.total_tokens, None, None
-    if d.mode == "tree" and d.auto_total_tokens:
-        choice = choose_total_tokens(runner, list(d.total_tokens_candidates), d.auto_tolerance)
-        total_tokens, timings = choice.m, choice.timings
-        if progress:
-            print(f"auto total_tokens: {choice.reason}", flush=True)
+    if probe is not None:
+        choice = probe.choose(d, runner, drafter, progress)
+        total_tokens, timings = choice.chosen, choice.timings
+        if total_tokens == 0:
+            return PlainDecoder(runner, d.depth), None, (total_tokens, timings, choice)
     settings = SpecSettings(d.mode, d.depth, d.topk, total_tokens, d.sample_drafts)
     budget = None
     if d.budget == "adaptive":
@@ -489,6 +573,11 @@ def _drafting_label(report: dict) -> str:
     return f"{name}{d['mode']} depth={d['depth']} m={d['total_tokens']} T={d['temperature']}"
 
 
+def _fmt(value: float | None, spec: str) -> str:
+    """A metric of a report read back from its JSON, where an undefined one is null."""
+    return "n/a" if value is None else format(value, spec)
+
+
 def format_summary(report: dict) -> str:
     d = report["decode"]
     tps = report["tokens_per_s"]
@@ -506,8 +595,10 @@ def format_summary(report: dict) -> str:
         f"target={report['target']}  drafter={report['drafter']}  prompts={report['prompts']} "
         f"({report['num_prompts']} prompts, {report['num_requests']} turns)",
         decode,
-        f"tau pooled={report['tau_pooled']:.3f}  tau per-request mean={report['tau_per_request_mean']:.3f}  "
-        f"emitted tokens outside the draft vocab={report.get('oov_rate', float('nan')):.3f}",
+        # τ is null where nothing was speculated (auto total_tokens chose plain decoding)
+        f"tau pooled={_fmt(report['tau_pooled'], '.3f')}  tau per-request mean="
+        f"{_fmt(report['tau_per_request_mean'], '.3f')}  "
+        f"emitted tokens outside the draft vocab={_fmt(report.get('oov_rate'), '.3f')}",
         "alpha_n: " + " ".join("n/a" if a is None else f"{a:.2f}" for a in report["per_position_acceptance"]),
         f"tokens/s: speculative={tps['speculative']:.1f} baseline={tps['baseline']:.1f}  "
         f"speedup={report['speedup'] if report['speedup'] is None else round(report['speedup'], 3)} ({budget})",

@@ -11,6 +11,7 @@ would stop.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -182,6 +183,9 @@ class SpeculativeDecoder:
         if budget is not None and hasattr(self.strategy, "worth"):  # strategies that draft level by level
             self.strategy.worth = budget.worth_expanding
         self.target_cache = None  # kept after generate() so tests can compare it with a fresh prefill
+        # called with every cycle's verified tree and accepted path (eval/budget.py TreeProbe reads the acceptance
+        # of smaller trees off them); None: nothing
+        self.on_cycle: Callable[[DraftTree, list[int]], None] | None = None
 
     @property
     def depth(self) -> int:
@@ -237,6 +241,8 @@ class SpeculativeDecoder:
             clock.lap("verify")
             path, bonus = accept_path(tree, ver.logits, params, generator)
             self._count(rec, tree, path)
+            if self.on_cycle is not None:
+                self.on_cycle(tree, path)
             clock.lap("accept")
             keep_kv(cache, n, torch.tensor(path))
             clock.lap("kv")

@@ -51,7 +51,7 @@ def demo_lines(prep_summary: dict, train_summary: dict, report: dict, prep: Path
     alphas = " ".join(_num(a, ".2f") for a in report["per_position_acceptance"])
     lines = [
         "\n================ demo summary ================",
-        f"drafter  tau={report['tau_pooled']:.3f} tokens per target forward on {report['num_requests']} held-out "
+        f"drafter  tau={_num(report['tau_pooled'], '.3f')} tokens per target forward on {report['num_requests']} held-out "
         f"turns of {report['prompts']} ({report['decode']['mode']} decoding, T={report['decode']['temperature']}); "
         f"per-position acceptance alpha_1..: {alphas}",
         f"         held-out simulated tau {_num(held_out.get('sim_tau'), '.3f')} from training's own eval "

@@ -111,20 +111,130 @@ def test_worth_expanding_weighs_a_forward_against_what_it_can_add() -> None:
     assert budget.log[-1]["drafted"] == 4 and budget.summary()["mean_draft_forwards"] == 2
 
 
-def test_the_automatic_budget_keeps_the_cheaper_size_on_noisy_timings_and_says_why() -> None:
-    from eval.budget import pick_total_tokens
+class ScriptedTimer:
+    """The target's forwards as a cost table (no real timing): seconds per candidate m, with spikes on chosen calls
+    (a load spike on the machine), and the order of the calls kept."""
 
-    candidates = [4, 8, 16, 32, 60]
-    # noise: 16 is over the tolerance, 32 and 60 (no cheaper in truth) measured under it
-    noisy = pick_total_tokens({0: 1.0, 4: 1.05, 8: 1.2, 16: 1.45, 32: 1.25, 60: 1.28}, candidates, 1.3)
-    assert (noisy.m, noisy.within_tolerance, noisy.not_monotonic) == (8, True, [32, 60])
-    assert noisy.reason.startswith("m=8, the largest candidate whose verify forward is within 1.3x"), noisy.reason
-    assert "m=32, m=60 fitted again above m=16, which did not: timings not monotonic" in noisy.reason
-    assert noisy.to_dict()["cost_ratio"][16] == pytest.approx(1.45)
-    # nothing fits: the smallest, and the choice says so
-    none = pick_total_tokens({0: 1.0, 4: 1.8, 8: 2.0, 16: 2.5, 32: 3.0, 60: 4.0}, candidates, 1.3)
-    assert (none.m, none.within_tolerance) == (4, False)
-    assert "m=4, the smallest candidate: none is within the tolerance 1.3x" in none.reason and "m=4 1.80x" in none.reason
-    # monotonic timings: the largest that fits
-    clean = pick_total_tokens({0: 1.0, 4: 1.0, 8: 1.05, 16: 1.1, 32: 1.35, 60: 1.9}, candidates, 1.3)
-    assert (clean.m, clean.not_monotonic) == (16, [])
+    def __init__(self, table: dict[int, float], spikes: dict[int, float] | None = None) -> None:
+        self.table, self.spikes, self.calls = table, spikes or {}, []
+
+    def __call__(self, m: int) -> float:
+        self.calls.append(m)
+        return self.table[m] + self.spikes.get(len(self.calls) - 1, 0.0)
+
+
+def test_costs_are_timed_round_robin_after_a_warm_up_and_a_spike_does_not_decide() -> None:
+    from eval.budget import interleaved_costs
+
+    table = {0: 1.0, 4: 1.2, 8: 1.5}
+    # call 3 is m=0's first timed sample, call 7 m=4's second: each lands in one sample of its shape
+    timer = ScriptedTimer(table, spikes={3: 50.0, 7: 50.0})
+    costs = interleaved_costs(timer, [8, 4], passes=3)
+    assert costs == table  # the medians drop the spikes
+    # every shape warmed up once, then the passes, each starting one shape later than the one before
+    assert timer.calls == [0, 4, 8, 0, 4, 8, 4, 8, 0, 8, 0, 4]
+
+
+# Tokens a tree of the best m nodes emits per cycle, as a drafter would show on the probe, and our decoder's
+# overhead per cycle (seconds, in units of a plain step of 1.0).
+TAU = {4: 1.45, 8: 1.85, 16: 2.3, 32: 2.45, 60: 2.5}
+OVERHEAD = 0.05
+
+
+def test_the_best_predicted_speedup_is_chosen_on_a_non_monotone_cost_table() -> None:
+    from eval.budget import choose_total_tokens, interleaved_costs
+
+    # not monotone: 16 drafted nodes verify faster than 8 (a kernel that suits its shape), and 8 is over the old
+    # rule's 1.3x tolerance, so a rule stopping at the first candidate over a tolerance keeps m=4
+    table = {0: 1.0, 4: 1.2, 8: 1.55, 16: 1.4, 32: 2.6, 60: 4.0}
+    timer = ScriptedTimer(table, spikes={9: 30.0})  # one spike, in the first of m=16's samples
+    costs = interleaved_costs(timer, [4, 8, 16, 32, 60], passes=5)
+    assert costs == table
+    choice = choose_total_tokens(costs, TAU.__getitem__, lambda m: OVERHEAD, context_len=200,
+                                 probe={"m": 60, "prompts": 1, "cycles": 70})
+    predicted = {c["m"]: c["predicted_speedup"] for c in choice.candidates}
+    assert predicted[0] == 1.0
+    for m in TAU:
+        assert predicted[m] == pytest.approx(TAU[m] * table[0] / (table[m] + OVERHEAD))
+    assert choice.chosen == 16 == max(predicted, key=predicted.get)
+    assert predicted[16] > predicted[4] > 1 > predicted[32]  # 4 pays too, 16 pays more
+    assert [c["m"] for c in choice.candidates] == [0, 4, 8, 16, 32, 60]
+    assert choice.timings == table
+    d = choice.to_dict()
+    assert d["chosen"] == 16 and d["context_len"] == 200 and d["passes"] == 5
+    assert all(set(c) >= {"m", "verify_cost", "predicted_speedup"} for c in d["candidates"])
+    assert choice.reason.startswith("m=16, the best predicted speedup (m=0 1.00x, m=4 1.16x (τ 1.45), m=8 1.16x (τ 1.85)"), choice.reason
+
+
+def test_plain_decoding_is_chosen_when_no_candidate_is_predicted_to_pay() -> None:
+    from eval.budget import choose_total_tokens
+
+    # a CPU: every verify forward costs well over a plain step, more than the drafts it accepts make up for
+    costs = {0: 1.0, 4: 1.6, 8: 2.1, 16: 3.0, 32: 5.0, 60: 9.0}
+    choice = choose_total_tokens(costs, TAU.__getitem__, lambda m: OVERHEAD, context_len=200,
+                                 probe={"m": 60, "prompts": 1, "cycles": 70})
+    assert all(c["predicted_speedup"] < 1 for c in choice.candidates if c["m"])
+    assert choice.chosen == 0
+    assert choice.reason.startswith("m=0, plain decoding: no candidate is predicted to pay"), choice.reason
+    # the best candidate wins over plain decoding as soon as it is predicted to pay at all
+    assert choose_total_tokens({**costs, 16: 2.2}, TAU.__getitem__, lambda m: OVERHEAD, 200).chosen == 16
+    with pytest.raises(ValueError, match="plain step"):
+        choose_total_tokens({4: 1.0}, TAU.__getitem__, lambda m: OVERHEAD, 200)
+
+
+def test_the_probe_reads_each_smaller_trees_greedy_acceptance_off_the_largest() -> None:
+    from eval.budget import TreeProbe
+    from eval.spec_decode import accept_path
+
+    tree = a_tree()  # ranks by value: 1, 2, 4, 3, 5, 6
+    follow = {100: 101, 101: 103, 103: 105, 105: 0}  # the target's greedy next token after each node's token
+    vocab = 110
+
+    def logits_for(t: DraftTree) -> torch.Tensor:
+        out = torch.zeros(len(t), vocab)
+        for i, tok in enumerate(t.tokens.tolist()):
+            out[i, follow.get(tok, 1)] = 1.0
+        return out
+
+    path, _ = accept_path(tree, logits_for(tree), GREEDY, None)
+    assert path == [0, 1, 3, 5]  # the best node, the 4th best, the 5th best
+    probe = TreeProbe(largest=6)
+    probe.record(tree, path)
+    probe.record(tree, [0, 2])  # a cycle that accepted the second-best node alone
+    assert probe.ranks == [[0, 3, 4], [1]]
+    for m in range(8):  # what verifying the best m nodes of the same tree accepts
+        cut = keep_best(tree, m)
+        got = len(accept_path(cut, logits_for(cut), GREEDY, None)[0]) - 1
+        assert probe.accepted(m)[0] == got, m
+    assert [probe.accepted(m) for m in (0, 1, 2, 4, 5)] == [[0, 0], [1, 0], [1, 1], [2, 1], [3, 1]]
+    assert probe.tau(4) == pytest.approx(1 + 3 / 2) and probe.tau(0) == 1.0
+    assert probe.alpha(4, 3) == [1.0, 0.5, 0.0]  # depth 0: both cycles; depth 1: one of two; depth 2: none of one
+
+
+def test_the_overhead_scales_its_drafting_with_the_levels_a_tree_drafts() -> None:
+    from eval.budget import CycleOverhead
+    from eval.spec_decode import GenerationRecord
+
+    rec = GenerationRecord(5, [1] * 9, "length", time_s=1.0, target_forwards=5, accept_lengths=[1, 1, 2, 0],
+                           phase_s={"prefill": 0.2, "draft": 0.24, "verify": 0.4})
+    over = CycleOverhead.from_records([rec], depth=6, largest=60)
+    assert over.draft_s == pytest.approx(0.06) and over.other_s == pytest.approx((1.0 - 0.2 - 0.4 - 0.24) / 4)
+    assert over(60) == over(6) == pytest.approx(0.06 + 0.04)
+    assert over(3) == pytest.approx(0.04 + 0.06 * 3 / 6)  # three levels' drafting of six
+    assert over(0) == 0.0  # plain decoding: no cycle
+
+
+@pytest.mark.integration
+def test_the_probe_sees_every_cycle_decoding_accepted(agreeing_pair) -> None:
+    from eval.budget import TreeProbe
+
+    runner, drafter = agreeing_pair
+    dec = SpeculativeDecoder(runner, drafter, SpecSettings(mode="tree", depth=4, topk=4, total_tokens=12))
+    probe = TreeProbe(largest=12)
+    dec.on_cycle = probe.record
+    spec = dec.generate([1, 2, 3], 30, GREEDY)
+    assert spec.output_ids == plain_generate(runner, [1, 2, 3], 30, GREEDY).output_ids  # the hook changes nothing
+    assert probe.accepted(12) == spec.accept_lengths and max(spec.accept_lengths) >= 1
+    per_m = [probe.accepted(m) for m in range(13)]  # a larger tree accepts at least what a smaller one does
+    assert all(a <= b for small, large in zip(per_m, per_m[1:]) for a, b in zip(small, large))
+    assert per_m[0] == [0] * probe.cycles

@@ -122,17 +122,53 @@ def test_run_eval_in_process_sampling_auto_budget(tmp_path, tiny_target_dir: Pat
                                          total_tokens_candidates=[2, 3], temperature=0.8, top_p=0.9,
                                          max_new_tokens=6))
     report = run_eval(cfg, progress=False)
-    assert report["decode"]["total_tokens"] in (2, 3)
-    assert set(report["decode"]["total_tokens_timings_s"]) == {0, 2, 3}
-    choice = report["decode"]["total_tokens_choice"]  # what was chosen and why, in the report and the summary
-    assert choice["m"] == report["decode"]["total_tokens"] and choice["reason"].startswith(f"m={choice['m']}")
+    saved = json.loads((tmp_path / "o" / "report.json").read_text())
+    choice = saved["decode"]["total_tokens_choice"]  # what was chosen and why, in the report and the summary
+    assert [c["m"] for c in choice["candidates"]] == [0, 2, 3]  # plain decoding is a candidate
+    for c in choice["candidates"]:
+        assert c["verify_cost"] > 0 and c["predicted_speedup"] > 0 and c["tau"] >= 1
+        assert c["predicted_speedup"] == pytest.approx(
+            c["tau"] * choice["candidates"][0]["verify_cost"] / (c["verify_cost"] + c["overhead_s"]))
+    best = max(choice["candidates"], key=lambda c: (c["predicted_speedup"], -c["m"]))
+    assert choice["chosen"] == best["m"] == saved["decode"]["total_tokens"]
+    assert choice["candidates"][0]["predicted_speedup"] == 1.0
+    assert choice["probe"]["m"] == 3 and choice["probe"]["cycles"] >= 1 and choice["passes"] == 5
+    # the verifies' context: the prompt and half the generation budget
+    assert choice["context_len"] == len(report["samples"][0]["prompt_token_ids"]) + 3
+    assert choice["reason"].startswith(f"m={choice['chosen']}") and "predicted speedup" in choice["definition"]
+    assert saved["decode"]["total_tokens_timings_s"] == {str(c["m"]): c["verify_cost"] for c in choice["candidates"]}
     assert f"auto total_tokens: {choice['reason']}" in format_summary(report)
     assert report["speedup"] is None and "outputs_identical_to_baseline" not in report
     assert len(report["samples"]) == 1 and 1 <= len(report["samples"][0]["output_token_ids"]) <= 6
-    saved = json.loads((tmp_path / "o" / "report.json").read_text())
     assert saved["tokens_per_s"]["baseline"] is None  # NaN is written as null
     assert not (tmp_path / "o" / "per_position_acceptance.png").exists()
     assert "speedup=None" in format_summary(report)
+
+
+def test_run_eval_decodes_plainly_when_no_tree_is_predicted_to_pay(tmp_path, tiny_target_dir: Path,
+                                                                   exported_drafter: Path) -> None:
+    """decode.auto_total_tokens on a machine where every verify forward costs far more than a plain step (a scripted
+    cost table in place of the target's timed forwards): m = 0 is chosen and the speculative side decodes plainly."""
+    from eval.config import DecodeConfig, EvalConfig
+    from eval.run import format_summary, run_eval
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Hello there"}) + "\n")
+    cfg = EvalConfig(drafter=str(exported_drafter), target=str(tiny_target_dir), prompts=str(prompts),
+                     out_dir=str(tmp_path / "o"), dtype="float32", plots=False, warmup=False,
+                     decode=DecodeConfig(mode="tree", depth=2, topk=2, auto_total_tokens=True,
+                                         total_tokens_candidates=[2, 3], max_new_tokens=6))
+    report = run_eval(cfg, progress=False, timer=lambda m: 1.0 + 10.0 * m)
+    saved = json.loads((tmp_path / "o" / "report.json").read_text())
+    choice = saved["decode"]["total_tokens_choice"]
+    assert [c["verify_cost"] for c in choice["candidates"]] == [1.0, 21.0, 31.0]
+    assert choice["chosen"] == 0 == saved["decode"]["total_tokens"]
+    assert all(c["predicted_speedup"] < 1 for c in choice["candidates"][1:])
+    assert saved["drafting"] == {"mode": "plain", "total_tokens": 0}
+    assert saved["verify_forwards"] == 0 and saved["tau_pooled"] is None  # no speculative cycle at all
+    assert saved["outputs_identical_to_baseline"]["count"] == 1 and saved["speedup"] > 0
+    assert "auto total_tokens: m=0, plain decoding" in format_summary(report)
+    assert "tau pooled=n/a" in format_summary(saved)  # the report read back, as make demo's summary reads it
 
 
 def test_run_eval_adaptive_budget_reports_its_forecast(tmp_path, tiny_target_dir: Path, exported_drafter: Path) -> None:

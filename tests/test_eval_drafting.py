@@ -93,11 +93,12 @@ def test_tree_drafts_no_level_deeper_than_its_budget(setup) -> None:
         assert int(tree.depths.max()) <= m
 
 
-def test_choose_total_tokens_returns_a_candidate(setup) -> None:
-    from eval.budget import choose_total_tokens
+def test_forward_timer_runs_each_shape_at_its_context(setup) -> None:
+    from eval.budget import ForwardTimer
 
     runner, *_ = setup
-    choice = choose_total_tokens(runner, [2, 4, 8], tolerance=1e9, context_len=16, repeats=1)
-    assert choice.m == 8 and set(choice.timings) == {0, 2, 4, 8} and all(t > 0 for t in choice.timings.values())
-    choice = choose_total_tokens(runner, [2, 4, 8], tolerance=1e-9, context_len=16, repeats=1)
-    assert choice.m == 2 and not choice.within_tolerance  # nothing fits: the smallest candidate, and it says so
+    timer = ForwardTimer(runner, context_len=16)
+    assert timer.cache.get_seq_length() == 16
+    for m in (0, 2, 8, 0):  # the plain step and verifies of 3 and 9 tokens, each after the same 16 tokens
+        assert timer(m) > 0
+        assert timer.cache.get_seq_length() == 16  # the timed tokens are cut again: the context stays put
