@@ -64,6 +64,23 @@ def check_target(recorded: dict | None, actual: dict, drafter: str, target: str)
         raise ExportError(f"{drafter}: tap layers {taps} out of range for {target}, a {layers}-layer target")
 
 
+def other_target_id(recorded: dict | None, names: list[str]) -> str | None:
+    """The id an export records (`TARGET_KEY` `id`: a prep's hub id of its target) where it names another model than
+    every one of `names` (hub ids, or a preset's name; case aside); None where it names one of them, records none,
+    or either side is a local directory: a copy of any model, compared by shape and tokenizer (`check_target`),
+    not by its name. The same shape and tokenizer do not make the same model (a base model and its instruct tune),
+    and the drafter has only seen its own target's hidden states."""
+    rid = (recorded or {}).get("id")
+    names = [n for n in names if isinstance(n, str) and n]
+    if not isinstance(rid, str) or not rid or not names or any(_local(x) for x in (rid, *names)):
+        return None
+    return None if rid.lower() in {n.lower() for n in names} else rid
+
+
+def _local(ref: str) -> bool:
+    return ref.startswith(("/", ".", "~")) or Path(ref).expanduser().is_dir()
+
+
 def stamp_target(out_dir: str | Path, fingerprint: dict) -> None:
     """Record the drafter's target in an export's config.json (written to a temporary name and renamed)."""
     path = Path(out_dir) / CONFIG_FILE

@@ -326,3 +326,16 @@ def test_check_target_names_both_and_the_tap_layers_range() -> None:
     check_tap_layers(mine, [1, 4, 7], "drafter d")
     with pytest.raises(ExportError, match=r"layer ids give tap layers \[2, 4, 7\], but the drafter was trained on"):
         check_tap_layers(mine, [2, 4, 7], "drafter d")
+
+
+def test_other_target_id_compares_hub_ids_and_leaves_directories_to_the_shape(tmp_path) -> None:
+    from models.export import other_target_id
+
+    record = {"id": "meta-llama/Llama-3.1-8B-Instruct", "architecture": "LlamaForCausalLM"}
+    assert other_target_id(record, ["meta-llama/llama-3.1-8b-instruct"]) is None  # case aside
+    assert other_target_id(record, ["llama-3.1-8b-instruct", "meta-llama/Llama-3.1-8B-Instruct"]) is None  # a preset
+    assert other_target_id(record, ["meta-llama/Llama-3.1-8B"]) == "meta-llama/Llama-3.1-8B-Instruct"
+    assert other_target_id(record, [str(tmp_path)]) is None  # a local copy: its shape and tokenizer decide
+    assert other_target_id({**record, "id": "./models/llama"}, ["meta-llama/Llama-3.1-8B"]) is None
+    assert other_target_id({"architecture": "LlamaForCausalLM"}, ["meta-llama/Llama-3.1-8B"]) is None  # no id
+    assert other_target_id(None, ["meta-llama/Llama-3.1-8B"]) is None and other_target_id(record, [None]) is None

@@ -204,6 +204,35 @@ def test_init_from_takes_a_public_layout_and_refuses_what_does_not_fit(run_dir, 
         init_from_export(_fresh_drafter(prep)[0], dflash, prep, head, target)
 
 
+def test_init_from_an_export_for_another_target_id_warns_once_naming_both(tmp_path: Path) -> None:
+    """An export of the same shape and tokenizer recorded for another model id than the prep's: training starts from
+    it (a user may mean it) with one warning naming both ids; one recorded for the prep's own id, none."""
+    import warnings
+
+    from models.export import stamp_target, target_fingerprint
+    from models.registry import family
+    from train.build import init_from_export
+    from train.export import prep_target
+
+    prep = write_synthetic_prep(tmp_path / "prep", n_train=4, n_eval=2, min_len=12, max_len=32)
+    target = prep_target(prep)
+    assert target is not None and target["id"] == "synthetic"
+    drafter, head = _fresh_drafter(prep)
+    for name, recorded in (("same", "Synthetic"), ("other", "someone/other-model")):  # ids compare case aside
+        out = family("eagle3").save_export(drafter, tmp_path / name)
+        stamp_target(out, target_fingerprint({**target, "id": recorded}, target["tokenizer_hash"],
+                                             drafter.tap_layers))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        init_from_export(_fresh_drafter(prep)[0], tmp_path / "same", prep, head, target)
+        assert not seen, [str(w.message) for w in seen]
+        info = init_from_export(_fresh_drafter(prep)[0], tmp_path / "other", prep, head, target)
+    said = [str(w.message) for w in seen]
+    assert len(said) == 1, said
+    assert "trained for target someone/other-model" in said[0] and f"prep {prep} is for target synthetic" in said[0]
+    assert info["export"] == str(tmp_path / "other")  # loaded all the same
+
+
 def test_a_run_started_from_an_export_begins_where_the_export_ended(run_dir, tmp_path: Path) -> None:
     """End to end: the held-out loss of a run started with train.init_from is, before its first step, the exporting
     run's final one (to the export's bf16 rounding), not a fresh drafter's."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -95,7 +96,9 @@ def init_from_export(drafter: nn.Module, export_dir: str | Path, prep_dir: Path,
     geometry, tokenizer: models.export.check_target, as eval checks an export); a config that gives the drafter
     another shape or behaviour than this run's (each field named with both values and the key that sets it). The
     export's draft vocabulary mapping (d2t/t2d) comes with its weights, since its lm_head's rows mean those tokens;
-    the teacher's targets follow the drafter's mapping (train/loss.py VocabMaps.from_drafter). Returns what the
+    the teacher's targets follow the drafter's mapping (train/loss.py VocabMaps.from_drafter). One of the same shape
+    recorded for another model id than the prep's (models.export.other_target_id) is warned of, naming both: the
+    evaluation refuses that pair, a run may start from it on purpose. Returns what the
     log says of it: the family, and how many of its draft tokens the prep's own draft vocabulary has. `target`:
     the prep's target as its spec records it (train.export.prep_target)."""
     from models.export import (
@@ -103,6 +106,7 @@ def init_from_export(drafter: nn.Module, export_dir: str | Path, prep_dir: Path,
         ExportError,
         check_tap_layers,
         check_target,
+        other_target_id,
         read_export,
         unreadable_weights,
     )
@@ -121,6 +125,12 @@ def init_from_export(drafter: nn.Module, export_dir: str | Path, prep_dir: Path,
                           f"({mine.label}): start from an export of the same family")
     target = target or {}
     check_target(raw.get(TARGET_KEY), target, where, f"the prep's target {target.get('id')} ({prep_dir})")
+    other = other_target_id(raw.get(TARGET_KEY), [target.get("id")])
+    if other is not None:  # evaluation refuses this pair (eval/run.py check_target_id); a run may mean it: warn
+        warnings.warn(f"{where} was trained for target {other}, but the prep {prep_dir} is for target "
+                      f"{target.get('id')}: a model of the same shape and tokenizer is still another model, whose "
+                      "hidden states the drafter has not seen (evaluation refuses such a pair); training starts "
+                      "from it all the same", stacklevel=2)
     weights = {EMBED_KEY: head.embed_tokens_weight.detach().float().cpu(),
                LM_HEAD_KEY: head.lm_head.weight.detach().float().cpu()}
     try:
