@@ -57,9 +57,13 @@ def write_synthetic_prep(
     min_len: int = 16,
     max_len: int = 48,
     seed: int = 0,
+    one_pass: bool = False,
 ) -> Path:
     """Write the prep dir; tokens come from `alphabet` ids spread over the vocab (all in the draft vocab
-    when alphabet <= draft_vocab)."""
+    when alphabet <= draft_vocab). one_pass: as a prep with capture.one_pass writes it (data_prep/vllm_capture.py
+    OnePassCapture): each sample ends with two unmasked tokens (an end of turn and the template's newline) whose
+    rows are zeros, the regeneration request never having computed them, and the shards are listed as captured
+    with the regeneration (capture_pass.r0.jsonl, summary.json's capture_pass)."""
     out = Path(out)
     g = torch.Generator().manual_seed(seed)
     embed = torch.randn(vocab, hidden, generator=g)
@@ -86,7 +90,11 @@ def write_synthetic_prep(
         e = embed[input_ids]
         taps = torch.cat([e + 0.1 * torch.randn(n, hidden, generator=g) for _ in TAP_LAYERS], dim=-1)
         nxt = torch.cat([e[1:], e[-1:]])  # teacher at t: the next token's embedding
-        return Sample(name, input_ids, loss_mask, taps.bfloat16(), teacher_hidden=(4 * nxt).bfloat16())
+        teacher = 4 * nxt
+        if one_pass:
+            loss_mask[-2:] = False
+            taps[-2:], teacher[-2:] = 0, 0
+        return Sample(name, input_ids, loss_mask, taps.bfloat16(), teacher_hidden=teacher.bfloat16())
 
     for split, count in (("train", n_train), ("eval", n_eval)):
         writer = ShardWriter(out / split, spec, rank=0, tokens_per_shard=max(1, count * max_len // 3))
@@ -106,9 +114,28 @@ def write_synthetic_prep(
         str(out / "target_head.safetensors"),
     )
     (out / "target_config.json").write_text(json.dumps(target_config(hidden, vocab), indent=1))
-    write_prep_summary(out, {"target": spec.target, "samples": {"train": n_train, "eval": n_eval},
-                             "eval_samples_requested": n_eval})
+    summary = {"target": spec.target, "samples": {"train": n_train, "eval": n_eval}, "eval_samples_requested": n_eval}
+    if one_pass:
+        summary.update(_one_pass_record(out))
+    write_prep_summary(out, summary)
     return out
+
+
+def _one_pass_record(out: Path) -> dict:
+    """Every shard listed as OnePassCapture lists what it writes, and the summary's record of it, counted by the
+    prep's own capture_passes."""
+    from data_prep.shards import Manifest
+    from data_prep.vllm_capture import CAPTURE_PASS_FILE, WITH_REGENERATION, capture_passes
+
+    passes = {}
+    for split in ("train", "eval"):
+        shards = Manifest.from_file(out / split / "manifest.json").shards
+        (out / split / CAPTURE_PASS_FILE.format(rank=0)).write_text("".join(
+            json.dumps({"shard": s.file, "samples": len(s.sample_ids), "capture_pass": WITH_REGENERATION}) + "\n"
+            for s in shards))
+        passes[split] = capture_passes(out / split, shards)
+    return {"capture_pass": passes,
+            "one_pass": {"enabled": True, "not_covered": {"train": 0, "eval": 0}, "next_token_agreement": None}}
 
 
 def main() -> None:

@@ -388,3 +388,21 @@ def test_a_bad_value_ends_each_launcher_in_one_line_with_exit_2(tmp_path: Path, 
     assert r.returncode == USER_ERROR, r.stdout + r.stderr
     assert len(lines) == 1 and named in lines[0], lines
     assert lines[0].startswith(("config error: ", "error: ")), lines
+
+
+@pytest.mark.integration
+def test_loss_tokens_all_on_a_one_pass_prep_stops_training_before_it_starts(tmp_path: Path) -> None:
+    """data.loss_tokens=all on a prep whose shards a one-pass capture wrote (zero rows past the loss mask): one line
+    naming the key, the prep and why, exit status 2, nothing of a run written."""
+    from synthetic_prep import write_synthetic_prep
+
+    prep = write_synthetic_prep(tmp_path / "prep", n_train=4, n_eval=2, min_len=8, max_len=24, one_pass=True)
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), "+exp=debug", f"data.dir={prep}",
+                        f"out_dir={run}", "data.loss_tokens=all"],
+                       capture_output=True, text=True, env=_env(), timeout=120, cwd=ROOT)
+    lines = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
+    assert r.returncode == USER_ERROR, r.stdout + r.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"config error: data.loss_tokens=all on {prep}: "), lines
+    assert "capture.one_pass" in lines[0], lines
+    assert not (run / "config.yaml").exists() and not (run / "checkpoints").exists()

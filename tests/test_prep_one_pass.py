@@ -27,6 +27,9 @@ from vllm_standin import standin_python
 from data_prep.rendered import Rendered
 from data_prep.shards import ShardSet, completed_sample_ids
 from data_prep.vllm_capture import one_pass_features
+from infra.config_keys import ConfigError
+from train.config import DataConfig
+from train.data import check_loss_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = {"num_samples": 6, "eval_samples": 2, "regen.max_new_tokens": 12, "regen.batch_size": 4,
@@ -132,6 +135,10 @@ def test_one_pass_equals_two_passes(tmp_path: Path, data, monkeypatch) -> None:
     assert summary["samples"] == two_summary["samples"] and summary["tokens"] == two_summary["tokens"]
     # every sample ends with the end of turn and the template's newline, which the request never fed: zeros there
     assert _assert_read_rows_equal(one, two) == sum(summary["samples"].values())
+    # so training refuses to make those rows loss rows (data.loss_tokens=all) on the one-pass prep alone
+    with pytest.raises(ConfigError, match=rf"data.loss_tokens=all on {one}: {summary['samples']['train']} of its"):
+        check_loss_tokens(DataConfig(dir=str(one), loss_tokens="all"))
+    check_loss_tokens(DataConfig(dir=str(two), loss_tokens="all"))
 
 
 def test_a_sample_the_states_do_not_cover_is_prefilled(tmp_path: Path, data, monkeypatch) -> None:

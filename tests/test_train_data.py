@@ -8,6 +8,7 @@ import pytest
 import torch
 from synthetic_prep import write_synthetic_prep
 
+from data_prep.shards import ShardSet
 from train.config import DataConfig
 from train.data import ShardBatches, global_batches, pad_to
 
@@ -141,3 +142,23 @@ def test_loss_tokens_all_makes_every_real_token_a_target_once(prep: Path, overfl
         assert not later[:, :6].any() and torch.equal(later[:, 6:], e.valid[~first_windows][:, 6:])
     assert sum(int(b.loss_mask.sum()) for b in every) > 1.3 * sum(int(b.loss_mask.sum()) for b in masked)
     assert (overflow == "split") == any("@" in i for b in every for i in b.sample_ids)  # later windows were seen
+
+
+def test_loss_tokens_all_is_refused_on_a_one_pass_prep(prep: Path, tmp_path: Path) -> None:
+    """A one-pass prep's samples hold zero rows past their loss mask: data.loss_tokens=all, which would train on
+    them, is refused naming the prep, the key and why, before anything reads a shard; the prep's own mask, features
+    computed whole in training, and a prep captured by prefills are not."""
+    from infra.config_keys import ConfigError
+    from train.data import check_loss_tokens
+
+    one = write_synthetic_prep(tmp_path / "one", n_train=6, n_eval=2, min_len=8, max_len=24, one_pass=True)
+    sample = next(iter(ShardSet(one / "train")))
+    assert not sample.loss_mask[-2:].any() and not sample.taps[-2:].float().any()  # what `all` would train on
+    with pytest.raises(ConfigError) as e:
+        check_loss_tokens(DataConfig(dir=str(one), loss_tokens="all"))
+    said = str(e.value)
+    assert said.startswith(f"data.loss_tokens=all on {one}: 6 of its train samples were captured with their "
+                           "regeneration (capture.one_pass") and "zeros" in said and "\n" not in said, said
+    check_loss_tokens(DataConfig(dir=str(one), loss_tokens="assistant"))
+    check_loss_tokens(DataConfig(dir=str(one), loss_tokens="all", source="online"))
+    check_loss_tokens(DataConfig(dir=str(prep), loss_tokens="all"))

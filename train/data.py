@@ -34,6 +34,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from data_prep.shards import MANIFEST, ShardError, ShardSet, finished_prep
+from infra.config_keys import ConfigError
 from infra.preemption import ignore_stop_signals
 from train.batch import PAD_ID, Batch, collate
 from train.config import DataConfig
@@ -131,6 +132,29 @@ def held_out_split(prep: Path) -> Path | None:
         raise ShardError(f"{root}: no held-out sample, but the prep was asked for {asked or 'some'} (every "
                          "held-out conversation was dropped: see the prep's summary.json)")
     return root
+
+
+def check_loss_tokens(data: DataConfig) -> None:
+    """ConfigError for data.loss_tokens=all on a prep whose train shards a one-pass capture wrote (capture.one_pass:
+    summary.json's capture_pass counts its train samples `with_regeneration`, data_prep/vllm_capture.py). Such a
+    sample's rows from its regeneration request's last generated token on are zeros (one_pass_features): no
+    objective reads them under the prep's mask, which ends before them, but `all` makes them loss rows, teaching the
+    drafter the target's next token from features that are not there. Only data.source=offline reads those shards
+    (online and vllm compute whole features; hybrid writes its own); a prep that is not finished is named as such
+    where its shards are opened (held_out_split)."""
+    if data.loss_tokens != "all" or data.source != "offline":
+        return
+    try:
+        summary = finished_prep(data.dir)
+    except ShardError:
+        return
+    one_pass = ((summary.get("capture_pass") or {}).get("train") or {}).get("with_regeneration") or 0
+    if one_pass:
+        raise ConfigError(f"data.loss_tokens=all on {data.dir}: {one_pass} of its train samples were captured with "
+                          "their regeneration (capture.one_pass; summary.json capture_pass), so their rows past the "
+                          "loss mask hold zeros, not the target's features, and data.loss_tokens=all would train on "
+                          "them: use data.loss_tokens=assistant, data.source=online (the features computed whole in "
+                          "training) or a prep made with capture.one_pass=false")
 
 
 def rank_part(batch: list[int], rank: int, world_size: int) -> list[int]:

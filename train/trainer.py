@@ -36,7 +36,7 @@ from infra.strict_json import dumps
 from train import checkpoint
 from train.build import init_from_export, load_head
 from train.config import RunConfig
-from train.data import Cursor, ShardBatches, held_out_split
+from train.data import Cursor, ShardBatches, check_loss_tokens, held_out_split
 from train.engine import Engine, init_distributed
 from train.export import prep_target
 from train.metrics import METRICS_FILE, RUN_SUMMARY, MetricsLogger, memory_stats
@@ -340,6 +340,7 @@ def run(cfg: RunConfig, run_dir: str | Path) -> dict:
     """Train per `cfg`, everything written under `run_dir`; returns the summary (rank 0; {} elsewhere)."""
 
     t0 = time.perf_counter()
+    check_loss_tokens(cfg.data)  # what the prep's shards allow, before any process group or file
     rank, world = init_distributed(cfg.deepspeed.dist_backend, cfg.deepspeed.cpu_shm_comm)
     cfg.validate(world)
     lock = claim_run_dir(cfg, Path(run_dir), rank, world)  # before anything is read or written
