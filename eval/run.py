@@ -54,6 +54,7 @@ from eval.spec_decode import (
     plain_generate,
 )
 from eval.target import TargetRunner
+from infra.config_keys import ConfigError
 from infra.strict_json import dumps
 from models.export import CONFIG_FILE, TARGET_KEY, ExportError, read_export, unreadable_weights
 from models.registry import DrafterFamily, family, family_of_drafter
@@ -93,11 +94,12 @@ def load_drafter(export_dir: str, target_model, device: str, dtype: torch.dtype,
     drafter = drafter.to(device=device).eval().requires_grad_(False)
     check_tap_layers(raw.get(TARGET_KEY), drafter.tap_layers, f"drafter {export_dir}")
     if drafter.cfg.vocab_size != embed.shape[0]:
-        raise ValueError(f"drafter vocab_size {drafter.cfg.vocab_size} != target vocab {embed.shape[0]}: "
-                         "the drafter was trained for another target")
+        raise ExportError(f"drafter {export_dir}: vocab_size {drafter.cfg.vocab_size} != target {target_name}'s "
+                          f"vocabulary {embed.shape[0]}: the drafter was trained for another target")
     tgt_h = getattr(drafter.cfg, "target_hidden_size", None) or drafter.cfg.hidden_size
     if tgt_h != text_cfg.hidden_size:
-        raise ValueError(f"drafter expects target hidden size {tgt_h}, target has {text_cfg.hidden_size}")
+        raise ExportError(f"drafter {export_dir} expects target hidden size {tgt_h}, target {target_name} has "
+                          f"{text_cfg.hidden_size}")
     return drafter
 
 
@@ -302,9 +304,9 @@ def check_engine_lengths(records, tokenizer, template_kwargs: dict, max_new_toke
     for r in records:
         last = len(r.turns) - 1
         need = len(render(tokenizer, r.messages(last, [""] * last), template_kwargs)) + max_new_tokens * len(r.turns)
-        if need > max_model_len:
-            raise ValueError(f"prompt {r.suite}/{r.id} ({r.category}) needs up to {need} tokens with its answers, more "
-                             f"than vllm.max_model_len={max_model_len}: raise it or lower decode.max_new_tokens")
+        if need > max_model_len:  # a setting the prompts outgrow: the user's to change (launch/errors.py)
+            raise ConfigError(f"prompt {r.suite}/{r.id} ({r.category}) needs up to {need} tokens with its answers, "
+                              f"more than vllm.max_model_len={max_model_len}: raise it or lower decode.max_new_tokens")
 
 
 def add_engine(report: dict, session, samples: list[dict], d, eos, cost: CycleCost, progress: bool) -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from eval.prompts import SUITES, PromptsError, Suite, load_prompts
+from infra.config_keys import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -250,5 +251,5 @@ def test_a_prompt_too_long_for_the_engine_stops_before_decoding(smollm2_dir: Pat
     short = PromptRecord("a", ["Hi", "More"], "c", suite="s")
     check_engine_lengths([short], tok, {}, 100, 1024)
     long = PromptRecord("b", ["word " * 1500], "c", suite="s")  # about 1,500 tokens before its answer
-    with pytest.raises(ValueError, match=r"prompt s/b \(c\) needs up to \d+ tokens .* vllm.max_model_len=1024"):
+    with pytest.raises(ConfigError, match=r"prompt s/b \(c\) needs up to \d+ tokens .* vllm.max_model_len=1024"):
         check_engine_lengths([short, long], tok, {}, 100, 1024)
