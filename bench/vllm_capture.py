@@ -81,9 +81,10 @@ def _vllm_capture(python: str, preset, tap_layers, samples, work_dir: Path, max_
                   engine_kwargs: dict | None = None) -> tuple[dict, dict]:
     from data_prep.config import VLLMConfig
     from data_prep.targets import model_path
-    from data_prep.vllm_capture import engine_layer_ids, stream_features
-    from data_prep.vllm_client import VLLM_PLUGIN, ServerSpec, VLLMClient
-    from infra.vllm_server import check_vllm
+    from data_prep.vllm_capture import stream_features
+    from serving.client import VLLM_PLUGIN, ServerSpec, VLLMClient
+    from serving.server import check_vllm
+    from serving.states import engine_layer_ids
 
     spec = ServerSpec(model=model_path(preset), dtype="float32", max_model_len=max_len + 1,
                       hidden_size=preset.hidden_size, layer_ids=engine_layer_ids(tap_layers, preset.num_layers),
@@ -91,7 +92,7 @@ def _vllm_capture(python: str, preset, tap_layers, samples, work_dir: Path, max_
     cfg = VLLMConfig(scratch_dir=str(work_dir))
     got = {}
     start = time.perf_counter()
-    with VLLMClient(spec, cfg, python=python, cuda=bool(check_vllm(python, VLLM_PLUGIN).get("cuda")), rank=0, world=1,
+    with VLLMClient(spec, cfg, python=python, cuda=bool(check_vllm(python, VLLM_PLUGIN).get("cuda")), rank=0,
                     local_rank=0, log_path=work_dir / "vllm_capture.log") as client:
         startup = client.wait_ready()
         capture_start = time.perf_counter()

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from infra.config_keys import ConfigError, check_keys
 from infra.precision import DTYPES
+from serving.config import VLLMConfig
 
 # Prep keys renamed so that prep, training and evaluation name each concept once (data.max_len in training):
 # old -> new. An old key is refused, naming the new one (`refuse_renamed`, `check_keys`).
@@ -38,9 +38,12 @@ class RegenConfig:
     on_length: str = "unmask"
     temperature: float = 0.0
     top_p: float = 1.0
-    # conversations advancing together, one backend call per turn index: hf's batch; vllm schedules a call's
-    # prompts together, so it gains from more
+    # conversations advancing together, one backend call per turn index: hf's batch (and vllm's with stream=false)
     batch_size: int = 16
+    # vllm: regenerate as a stream, vllm.max_in_flight requests per server at all times: a conversation's next turn
+    # goes out when its reply arrives, a finished conversation's place goes to the next one at once; false: lockstep
+    # batches of batch_size, each waiting for its slowest reply
+    stream: bool = True
     enable_thinking: bool | None = None  # None: the preset's setting
     base_url: str = "http://127.0.0.1:8000/v1"
     # The server's key is read from this environment variable (unset: "EMPTY"), never from the config: a value on
@@ -57,62 +60,6 @@ class RegenConfig:
 RESERVED_ENGINE_KWARGS = ("model", "tokenizer", "dtype", "speculative_config", "kv_transfer_config",
                           "enable_prefix_caching", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len",
                           "host", "port", "api_key", "served_model_name")
-
-
-@dataclass
-class VLLMConfig:
-    """Prep's vLLM engine (data_prep/vllm_client.py): vLLM's own OpenAI-compatible server. It regenerates with
-    regen.backend=vllm and captures with capture.engine=vllm, the same server for both. Prep starts one per prep
-    rank, on the rank's own group of tensor_parallel_size x pipeline_parallel_size devices of its node, or uses the
-    servers already running at `urls`."""
-
-    python: str | None = None  # the python of a vLLM install (its own venv); None: this one, if it imports vllm
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    # any other engine argument of the servers prep starts, as `vllm serve` takes it (enforce_eager: true ->
-    # --enforce-eager; gpu_memory_utilization: 0.9; distributed_executor_backend: ray)
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    # Servers already running, started with the command docs/scaling.md gives: prep starts none. Each entry is
-    # http(s)://host:port (the server of the node whose name or address `host` is) or node=http(s)://host:port (the
-    # server of node `node`, as its hostname or SLURM names it); a rank uses its own node's servers (node-local
-    # scratch), the node's ranks splitting them (data_prep/vllm_client.py node_urls).
-    urls: list[str] = field(default_factory=list)
-    # bounds every wait: a server's startup, and its silence (no answer and no progress on its token counters while
-    # requests are in flight), not how long a request waits in its queue
-    timeout_s: float = 1200.0
-    max_in_flight: int = 128  # requests a rank has in flight (vLLM batches them; more wait in its queue)
-    # Node-local scratch for the hidden-state files the server writes (None: $TMPDIR, else the system's temporary
-    # directory), bounded to scratch_gb per prep rank (a node's ranks together: scratch_gb x ranks per node, which
-    # must be free there): only finished shards go to the prep directory.
-    scratch_dir: str | None = None
-    scratch_gb: float = 8.0
-    # What the probe batch's vLLM capture is checked against before any sample is written. engine: the prep's
-    # target head on vLLM's teacher reproduces vLLM's own next-token choice at every probe position (its prompt
-    # logprobs), and no transformers copy of the target loads (a target larger than one device stays in vLLM).
-    # hf: additionally the target's transformers forward, tap by tap (loads the whole target in each prep rank).
-    capture_fidelity: str = "engine"
-
-    def servers(self) -> list[tuple[str | None, str]]:
-        """`urls` as (node or None, base URL without a trailing slash); ConfigError naming the entry that is neither
-        http(s)://host:port nor node=http(s)://host:port."""
-        from urllib.parse import urlsplit
-
-        out = []
-        for entry in self.urls:
-            node, sep, url = str(entry).partition("=")
-            if not sep:
-                node, url = None, str(entry)
-            try:
-                parts = urlsplit(url)
-                port = parts.port
-            except ValueError:
-                parts, port = None, None
-            if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or port is None or (
-                    node is not None and not node.strip()):
-                raise ConfigError(f"vllm.urls entry {entry!r} is not http(s)://host:port or node=http(s)://host:port "
-                                  "of a running vLLM server")
-            out.append((node.strip() if node else None, url.rstrip("/")))
-        return out
 
 
 @dataclass

@@ -25,7 +25,7 @@ on a probe batch that the head and taps the prep stores reproduce the target's o
 regen.backend=vllm the transformers target loads after the regeneration, and the check runs then).
 
 The stages follow one plan, computed once from the config (`plan_prep`: which backend regenerates, which engine
-captures, whether and when the transformers target loads). Prep's vLLM server (data_prep/vllm_client.py: one per
+captures, whether and when the transformers target loads). Prep's vLLM server (serving/client.py: one per
 rank on its own devices, or the user's vllm.urls) starts right after the data is loaded and checked, before the
 head loads, when regen.backend=vllm or capture.engine=vllm: the server that regenerates is the one that captures.
 The dataset-wide vocabulary count runs beside its startup and stops as soon as it exits; prep then waits for its
@@ -162,14 +162,14 @@ def rank_devices(cfg: PrepConfig, plan: PrepPlan, *, local_rank: int, local_worl
     """The devices of local rank `local_rank` of `local_world` on its node (`prep_devices`: the CUDA devices prep's
     own torch sees; `node_devices`: those vLLM's own check counts, where the servers go; `visible`:
     CUDA_VISIBLE_DEVICES). Off the vLLM route, the rank's device as before (cuda:local_rank, or the CPU). On it, the
-    rank's server takes its block of the node's devices (infra/vllm_server.py device_group), the head goes to that
+    rank's server takes its block of the node's devices (serving/server.py device_group), the head goes to that
     block's first device when it fits in the share vLLM leaves (`head_bytes` against `device_bytes`), else to host
     memory, and a transformers target never shares a device with a server: loaded after the servers stopped
     (plan.hf_target "after_regen") it takes the rank's first device; loaded beside them it needs a device no server
     of the node holds (the head goes with it), or ConfigError. With the user's servers (vllm.urls) prep cannot know which devices they
     hold: the head stays in host memory and a transformers target goes where `device=` says (required on a GPU
     node). An explicit `device=` places the head and the target there."""
-    from infra.vllm_server import device_group
+    from serving.server import device_group
 
     hf = plan.hf_target is not None
     if not plan.vllm:
@@ -289,11 +289,15 @@ def plan_regeneration(cfg: PrepConfig, preset: TargetPreset, tokenizer, convs: l
     return kept, len(convs) - len(kept)
 
 
-def one_pass_batch(cfg: PrepConfig, client) -> int:
-    """regen.batch_size, lowered where one batch's kept states (one file per conversation, at most max_len + 1
-    tokens each: capture.one_pass) would not fit the rank's vllm.scratch_gb."""
-    per_sample = client.spec.max_model_len * client.spec.file_bytes_per_token()
-    return max(1, min(cfg.regen.batch_size, client.budget // per_sample))
+def regen_window(cfg: PrepConfig, client, one_pass: bool) -> int:
+    """Conversations regenerating at once: on the vLLM route as a stream (regen.stream), what the servers take
+    (vllm.max_in_flight each), else regen.batch_size; with capture.one_pass at most as many as whose kept states
+    (one file per conversation, at most max_len + 1 tokens each) fit the rank's vllm.scratch_gb."""
+    window = client.capacity if client is not None and cfg.regen.stream else cfg.regen.batch_size
+    if one_pass:
+        per_sample = client.spec.max_model_len * client.spec.file_bytes_per_token()
+        window = min(window, client.budget.limit // per_sample)
+    return max(1, window)
 
 
 def regenerate_split(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, convs, path: Path, client=None,
@@ -311,7 +315,7 @@ def regenerate_split(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, co
         backend = HFBackend(model, tokenizer, enable_thinking=thinking)
     elif r.backend == "vllm":
         backend = VLLMBackend(client, tokenizer, eos_token_id=generation_eos(preset), enable_thinking=thinking,
-                              seed=cfg.seed, keep_states=on_finished is not None)
+                              keep_states=on_finished is not None)
     else:
         backend = OpenAIBackend(
             base_url=r.base_url,
@@ -330,11 +334,13 @@ def regenerate_split(cfg: PrepConfig, preset: TargetPreset, model, tokenizer, co
         max_new_tokens=r.max_new_tokens,
         temperature=r.temperature,
         top_p=r.top_p,
-        batch_size=one_pass_batch(cfg, client) if on_finished is not None else r.batch_size,
+        batch_size=regen_window(cfg, client if r.backend == "vllm" else None, on_finished is not None),
         max_turns=r.max_turns,
         prompt_fits=lambda messages: prompt_tokens(tokenizer, messages, kwargs) <= reply_room(cfg),
         should_stop=should_stop,
         on_finished=on_finished,
+        stream=r.stream,
+        seed=cfg.seed,
     )
     ok = {c.id: c for c in load_regenerated(path)}
     return [ok[c.id] for c in convs if c.id in ok], summary.to_dict()
@@ -702,10 +708,10 @@ def plan_prep(cfg: PrepConfig) -> PrepPlan:
 
 def rank_servers(cfg: PrepConfig, plan: PrepPlan, preset: TargetPreset, tap_layers: list[int], python: str | None,
                  cuda: bool, devices: RankDevices, part: int, rank: int, world: int, out: Path, should_stop):
-    """This rank's vLLM servers (data_prep/vllm_client.py): `with` starts them (they build in the background) or
+    """This rank's vLLM servers (serving/client.py): `with` starts them (they build in the background) or
     connects to the user's."""
-    from data_prep.vllm_capture import engine_layer_ids
-    from data_prep.vllm_client import ServerSpec, VLLMClient
+    from serving.client import ServerSpec, VLLMClient
+    from serving.states import engine_layer_ids
 
     spec = ServerSpec(model=model_path(preset), dtype=cfg.dtype, max_model_len=cfg.max_len + 1,
                       hidden_size=preset.hidden_size,
@@ -714,7 +720,7 @@ def rank_servers(cfg: PrepConfig, plan: PrepPlan, preset: TargetPreset, tap_laye
                       pipeline_parallel_size=cfg.vllm.pipeline_parallel_size,
                       engine_kwargs=dict(cfg.vllm.engine_kwargs))
     local_rank, local_world = _local()
-    return VLLMClient(spec, cfg.vllm, python=python, cuda=cuda, rank=rank, world=world, local_rank=local_rank,
+    return VLLMClient(spec, cfg.vllm, python=python, cuda=cuda, rank=rank, local_rank=local_rank,
                       local_world=local_world, devices=devices.server, log_path=out / f"vllm.r{part}.log",
                       should_stop=should_stop)
 
@@ -771,8 +777,8 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
 
         python, cuda, node_devices = None, False, 0
         if plan.vllm and not cfg.vllm.urls:
-            from data_prep.vllm_client import VLLM_PLUGIN
-            from infra.vllm_server import ready
+            from serving.client import VLLM_PLUGIN
+            from serving.server import ready
 
             python, info = ready(cfg.vllm.python, VLLM_PLUGIN)
             cuda, node_devices = bool(info.get("cuda")), int(info.get("device_count") or 0)
@@ -832,9 +838,9 @@ def _run_claimed(cfg: PrepConfig, out: Path, rank: int, world: int) -> dict | No
                 return vllm_capture.OnePassCapture(client, spec, head, out / split, part,
                                                    cfg.capture.tokens_per_shard, render, greedy)
 
-            if rank == 0 and one_pass_batch(cfg, client) < cfg.regen.batch_size:
-                print(f"capture.one_pass: regen.batch_size {cfg.regen.batch_size} -> {one_pass_batch(cfg, client)}, "
-                      f"the conversations whose states fit vllm.scratch_gb={cfg.vllm.scratch_gb}")
+            if rank == 0 and regen_window(cfg, client, True) < regen_window(cfg, client, False):
+                print(f"capture.one_pass: {regen_window(cfg, client, True)} conversations regenerating at once, those "
+                      f"whose states fit vllm.scratch_gb={cfg.vllm.scratch_gb}")
         stage_start = time.perf_counter()
         if plan.regen is not None:
             group = tensor_parallel_group(model)

@@ -4,7 +4,7 @@ Turn by turn, in order: the reply to the conversation so far (original user turn
 already regenerated) replaces the dataset's reply. Backends share one small interface
 (:class:`Backend`): ``hf`` runs a transformers CausalLM (batched ``generate``, KV cache, left padding,
 the conversations of a batch advance one turn index at a time); ``vllm`` sends the same token-id prompts to
-prep's vLLM servers (data_prep/vllm_client.py), the ones that capture with capture.engine=vllm; ``openai`` calls any
+prep's vLLM servers (serving/client.py), the ones that capture with capture.engine=vllm; ``openai`` calls any
 OpenAI-compatible chat-completions server (vLLM, SGLang, ...) from a thread pool with a timeout and
 retries with exponential backoff.
 
@@ -41,13 +41,14 @@ before appending. Under torchrun give each rank its own slice and its own ``out_
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -57,7 +58,7 @@ from data_prep.chat import end_of_turn, render_prompt
 from data_prep.conversations import Conversation, Message
 from infra.preemption import Preempted
 from infra.strict_json import dumps
-from infra.vllm_server import API_KEY_ENV, VLLMServerError
+from serving.server import API_KEY_ENV, VLLMServerError
 
 STATUSES = ("ok", "error", "skipped")
 CONTEXT_FULL = "prompt leaves no room for a reply (prompt_fits)"
@@ -187,30 +188,56 @@ class TemplateBackend:
             j -= 1
         return tuple(ids[i:j]) if content and self.tok.decode(ids[i:j], skip_special_tokens=False) == content else None
 
-    def _generate_ids(self, prompts: list[list[int]], params: SamplingParams,
-                      stop: list[int]) -> list[tuple]:
+    def _generate_ids(self, prompts: list[list[int]], params: SamplingParams, stop: list[int],
+                      seeds: list[int | None] | None = None) -> list[tuple]:
         raise NotImplementedError
 
-    def generate(self, prompts: Sequence[Sequence[Message]], params: SamplingParams) -> list[Reply]:
+    def encode(self, prompt: Sequence[Message], params: SamplingParams) -> list[int] | Reply:
+        """The prompt's token ids, or the Reply that stands for it when none is sent (a template refusing it, a
+        prompt too long)."""
         kw = {} if params.enable_thinking is None else {"enable_thinking": params.enable_thinking}
+        try:
+            ids = render_prompt(self.tok, prompt, chat_template=self.chat_template, template_kwargs=kw)
+        except Exception as err:  # noqa: BLE001 - a template may refuse one conversation
+            return Reply(error=f"template: {type(err).__name__}: {err}")
+        if self.max_positions and len(ids) + params.max_new_tokens > self.max_positions:
+            return Reply(skip=f"prompt_too_long ({len(ids)} + {params.max_new_tokens} > {self.max_positions})")
+        return ids
+
+    def stop_ids(self, params: SamplingParams) -> list[int]:
+        return self._stop_ids({} if params.enable_thinking is None else {"enable_thinking": params.enable_thinking})
+
+    def reply(self, ids: list[int], truncated: bool, stop: list[int], kept: Path | None = None) -> Reply:
+        """The Reply of generated ids: cut after the first stop id, decoded, the reasoning split off."""
+        states = ReplyStates(Path(kept), int(ids[-1])) if kept is not None else None
+        cut = next((j for j, t in enumerate(ids) if t in stop), None)
+        generated_tokens = len(ids) if cut is None else cut + 1
+        ids = ids if cut is None else ids[:cut]
+        text = self.tok.decode(ids, skip_special_tokens=False)
+        reasoning, answer = split_reasoning(text)
+        for s in self._strip:  # stray control tokens must not reach training text
+            answer = answer.replace(s, "")
+        content = answer.strip()
+        # decode -> re-encode does not always give the generated ids back (data_prep/chat.py, step 5)
+        token_ids = self._ids_of(ids, content) if reasoning is None else None
+        return Reply(content=content, reasoning=reasoning, truncated=truncated, token_ids=token_ids,
+                     tokens=generated_tokens, states=states)
+
+    def generate(self, prompts: Sequence[Sequence[Message]], params: SamplingParams,
+                 seeds: Sequence[int | None] | None = None) -> list[Reply]:
         replies: list[Reply | None] = [None] * len(prompts)
         encoded: list[tuple[int, list[int]]] = []
         for i, p in enumerate(prompts):
-            try:
-                ids = render_prompt(self.tok, p, chat_template=self.chat_template, template_kwargs=kw)
-            except Exception as err:  # noqa: BLE001 - a template may refuse one conversation
-                replies[i] = Reply(error=f"template: {type(err).__name__}: {err}")
-                continue
-            if self.max_positions and len(ids) + params.max_new_tokens > self.max_positions:
-                replies[i] = Reply(
-                    skip=f"prompt_too_long ({len(ids)} + {params.max_new_tokens} > {self.max_positions})"
-                )
-                continue
-            encoded.append((i, ids))
+            ids = self.encode(p, params)
+            if isinstance(ids, Reply):
+                replies[i] = ids
+            else:
+                encoded.append((i, ids))
         if encoded:
-            stop = self._stop_ids(kw)
+            stop = self.stop_ids(params)
             try:
-                generated = self._generate_ids([ids for _, ids in encoded], params, stop)
+                generated = self._generate_ids([ids for _, ids in encoded], params, stop,
+                                               [seeds[i] for i, _ in encoded] if seeds is not None else None)
             except self.fatal:
                 raise
             except Exception as err:  # noqa: BLE001 - e.g. out of memory: fail this batch, not the job
@@ -218,19 +245,7 @@ class TemplateBackend:
                     replies[i] = Reply(error=f"generate: {type(err).__name__}: {err}")
             else:
                 for (i, _), (ids, truncated, *kept) in zip(encoded, generated):
-                    states = ReplyStates(Path(kept[0]), int(ids[-1])) if kept and kept[0] is not None else None
-                    cut = next((j for j, t in enumerate(ids) if t in stop), None)
-                    generated_tokens = len(ids) if cut is None else cut + 1
-                    ids = ids if cut is None else ids[:cut]
-                    text = self.tok.decode(ids, skip_special_tokens=False)
-                    reasoning, answer = split_reasoning(text)
-                    for s in self._strip:  # stray control tokens must not reach training text
-                        answer = answer.replace(s, "")
-                    content = answer.strip()
-                    # decode -> re-encode does not always give the generated ids back (data_prep/chat.py, step 5)
-                    token_ids = self._ids_of(ids, content) if reasoning is None else None
-                    replies[i] = Reply(content=content, reasoning=reasoning, truncated=truncated, token_ids=token_ids,
-                                       tokens=generated_tokens, states=states)
+                    replies[i] = self.reply(ids, truncated, stop, kept[0] if kept else None)
         return [r if r is not None else Reply(error="no reply") for r in replies]
 
 
@@ -255,8 +270,8 @@ class HFBackend(TemplateBackend):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.where = f"hf generate on {next(model.parameters()).device}"  # named by RegenerationError
 
-    def _generate_ids(self, prompts: list[list[int]], params: SamplingParams,
-                      stop: list[int]) -> list[tuple[list[int], bool]]:
+    def _generate_ids(self, prompts: list[list[int]], params: SamplingParams, stop: list[int],
+                      seeds: list[int | None] | None = None) -> list[tuple[list[int], bool]]:
         rows = hf_generate_ids(self.model, prompts, params.max_new_tokens, stop, self.pad_id, params.temperature,
                                params.top_p, **self.generate_kwargs)
         return [(ids, not any(t in stop for t in ids)) for ids in rows]  # no stop token: cut at max_new_tokens
@@ -287,10 +302,12 @@ def hf_generate_ids(model, prompts: list[list[int]], max_new_tokens: int, stop: 
 
 
 class VLLMBackend(TemplateBackend):
-    """Prep's vLLM servers (data_prep/vllm_client.py VLLMClient: the servers that also capture with
-    capture.engine=vllm): the prompts rendered and the replies decoded here, as hf does, generated by vLLM from
-    token ids, a batch's requests in flight together (vLLM schedules them together). `keep_states` (an extracting
-    server, capture.one_pass): each Reply carries its request's hidden states (ReplyStates)."""
+    """Prep's vLLM servers (serving/client.py VLLMClient: the servers that also capture with capture.engine=vllm):
+    the prompts rendered and the replies decoded here, as hf does, generated by vLLM from token ids. `stream`
+    (what `regenerate` uses) sends each reply's request as soon as its conversation is ready for it and hands the
+    replies back as they complete; `generate` sends a lockstep batch. `keep_states` (an extracting server,
+    capture.one_pass): each Reply carries its request's hidden states (ReplyStates). A sampled reply's seed is its
+    own (`request_seed`: the run's seed, the conversation and the turn), the same after any resume."""
 
     def __init__(
         self,
@@ -309,12 +326,71 @@ class VLLMBackend(TemplateBackend):
         self.where = client.where
         self.fatal = (VLLMServerError,)  # a server gone or stuck is no one conversation's failure
 
-    def _generate_ids(self, prompts: list[list[int]], params: SamplingParams,
-                      stop: list[int]) -> list[tuple]:
+    @property
+    def capacity(self) -> int:
+        """Replies the servers work on at once: vllm.max_in_flight on each."""
+        return self.client.capacity
+
+    def _generate_ids(self, prompts: list[list[int]], params: SamplingParams, stop: list[int],
+                      seeds: list[int | None] | None = None) -> list[tuple]:
         outs = self.client.generate(prompts, max_tokens=params.max_new_tokens, temperature=params.temperature,
-                                    top_p=params.top_p, seed=self.seed if params.temperature > 0 else None,
-                                    stop_token_ids=stop, keep_states=self.keep_states)
+                                    top_p=params.top_p, seed=list(seeds) if seeds is not None and params.temperature
+                                    > 0 else None, stop_token_ids=stop, keep_states=self.keep_states)
         return [(o["token_ids"], o["finish_reason"] == "length", o.get("states")) for o in outs]
+
+    def stream(self, params: SamplingParams) -> ReplyStream:
+        return ReplyStream(self, params)
+
+
+class ReplyStream:
+    """One regeneration's requests on a VLLMBackend: `submit(key, prompt, seed)` sends (or answers at once with the
+    Reply of a prompt not sent), `replies()` yields (key, Reply) as they complete, more submitted meanwhile."""
+
+    def __init__(self, backend: VLLMBackend, params: SamplingParams):
+        self.backend, self.params = backend, params
+        self.stop = backend.stop_ids(params)
+        self.requests = backend.client.stream()
+        self.ready: list[tuple[Any, Reply]] = []  # replies known without a request
+
+    def submit(self, key: Any, prompt: Sequence[Message], seed: int | None) -> None:
+        ids = self.backend.encode(prompt, self.params)
+        if isinstance(ids, Reply):
+            self.ready.append((key, ids))
+            return
+        p = self.params
+        body, size = self.backend.client.generation_request(
+            ids, max_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
+            seed=seed if p.temperature > 0 else None, stop_token_ids=self.stop, keep_states=self.backend.keep_states)
+        self.requests.submit((key, body), body, size)
+
+    def replies(self) -> Iterator[tuple[Any, Reply]]:
+        client = self.backend.client
+        completed = None  # one pass of the request stream; a new one once it ran dry and more was submitted
+        while True:
+            while self.ready:
+                yield self.ready.pop(0)
+            if completed is None:
+                completed = self.requests.completed()
+            done = next(completed, None)
+            if done is None:
+                completed = None
+                if not self.ready:
+                    return
+                continue
+            key, body = done.tag
+            out = client.generated(done, body, self.backend.keep_states)
+            yield key, self.backend.reply(out["token_ids"], out["finish_reason"] == "length", self.stop,
+                                          out.get("states"))
+
+    def close(self) -> None:
+        self.requests.close()
+
+
+def request_seed(seed: int, conversation_id: str, turn: int) -> int:
+    """A sampled reply's own seed: the same (run seed, conversation, turn) gives the same draws after any resume,
+    and two conversations never share their random numbers."""
+    digest = hashlib.sha256(f"{seed}:{conversation_id}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 class OpenAIBackend:
@@ -529,11 +605,17 @@ def regenerate(
     prompt_fits: Callable[[list[Message]], bool] | None = None,
     should_stop: Callable[[], int] | None = None,
     on_finished: Callable[[Conversation, ReplyStates | None], None] | None = None,
+    stream: bool = True,
+    seed: int = 0,
 ) -> RegenSummary:
     """Regenerate `conversations` into `out_path` (JSONL, resumable); see the module doc.
 
-    `batch_size` conversations advance together, one turn index per backend call (for the openai
-    backend it bounds the requests in flight together with the backend's `concurrency`).
+    A backend that streams (vllm) runs as a stream when `stream` is on: up to `batch_size` conversations are open
+    at once, each with its next request in flight; a conversation's next turn goes out as soon as its reply
+    arrives, and a finished conversation's place goes at once to the next pending one. Otherwise (hf, openai, or
+    `stream` off) `batch_size` conversations advance together, one turn index per backend call (for the openai
+    backend it bounds the requests in flight together with the backend's `concurrency`). `seed`: a sampled
+    reply's seed is `request_seed(seed, conversation, turn)`.
     `enable_thinking` None falls back to the backend's own `enable_thinking`. `prompt_fits(prompt)` False:
     no room for a whole reply after that prompt (the prep's max_len); nothing is sent for it. `should_stop()`: the
     stop signal received (prep's StopSignals), checked before every backend call (a backend may also raise
@@ -601,7 +683,10 @@ def regenerate(
                     raise Preempted(should_stop())
                 prompts = [w.done + w.todo[turn] for w in active]
                 fits = [prompt_fits is None or prompt_fits(p) for p in prompts]
-                replies = backend.generate([p for p, ok in zip(prompts, fits) if ok], params) if any(fits) else []
+                sent = [(w, p) for w, p, ok in zip(active, prompts, fits) if ok]
+                seeds = [request_seed(seed, w.conv.id, turn) for w, _ in sent]
+                replies = (backend.generate([p for _, p in sent], params, seeds) if isinstance(backend, TemplateBackend)
+                           else backend.generate([p for _, p in sent], params)) if sent else []
                 if first_call and replies and all(r.error is not None for r in replies):
                     bar.close()
                     where = getattr(backend, "where", type(backend).__name__)
@@ -621,14 +706,72 @@ def regenerate(
                 if not w.finished:
                     finish(w)
 
-        for b in range(0, len(pending), batch_size):
-            batch = [_plan(c, max_turns) for c in pending[b : b + batch_size]]
+        def run_stream(works: Iterator[_Work], open_at_once: int) -> None:
+            """Every conversation of `works` through the backend's stream, `open_at_once` of them open at a time."""
+            nonlocal first_call
+            replies = backend.stream(params)
+            open_: dict[str, tuple[_Work, list[Message]]] = {}
+            held: list[_Work] = []  # failed before any reply came: written once one comes (RegenerationError)
+
+            def advance(w: _Work) -> None:  # the conversation's next turn out, or its line written
+                turn = sum(m.role == "assistant" for m in w.done)
+                while w.status == "ok" and turn < len(w.todo):
+                    prompt = w.done + w.todo[turn]
+                    if prompt_fits is None or prompt_fits(prompt):
+                        open_[w.conv.id] = (w, prompt)
+                        replies.submit(w.conv.id, prompt, request_seed(seed, w.conv.id, turn))
+                        return
+                    _apply(w, prompt, Reply(skip=CONTEXT_FULL), summary)
+                    turn = sum(m.role == "assistant" for m in w.done)
+                finish(w)
+
+            def fill() -> None:
+                while len(open_) < open_at_once and (w := next(works, None)) is not None:
+                    advance(w)
+
             try:
-                run_batch(batch)
+                fill()
+                for key, reply in replies.replies():
+                    if should_stop is not None and should_stop():
+                        raise Preempted(should_stop())
+                    w, prompt = open_.pop(key)
+                    _apply(w, prompt, reply, summary)
+                    if first_call and w.status == "error":
+                        held.append(w)
+                        if len(held) >= min(open_at_once, summary.total - summary.resumed):
+                            bar.close()
+                            raise RegenerationError(
+                                f"regeneration stopped: the first {len(held)} requests all failed at {backend.where}; "
+                                f"the first error: {held[0].reason}. Nothing of them was written"
+                                + getattr(backend, "hint", ""))
+                        fill()
+                        continue
+                    if first_call:
+                        first_call = False
+                        for h in held:
+                            finish(h)
+                        held.clear()
+                    advance(w)
+                    fill()
+                for h in held:
+                    finish(h)
             finally:  # stopped or failed: the states still held are not handed on
-                for w in batch:
+                replies.close()
+                for w, _ in open_.values():
                     _release(w.states)
                     w.states = None
+
+        if stream and hasattr(backend, "stream"):
+            run_stream((_plan(c, max_turns) for c in pending), batch_size)
+        else:
+            for b in range(0, len(pending), batch_size):
+                batch = [_plan(c, max_turns) for c in pending[b : b + batch_size]]
+                try:
+                    run_batch(batch)
+                finally:  # stopped or failed: the states still held are not handed on
+                    for w in batch:
+                        _release(w.states)
+                        w.states = None
         os.fsync(f.fileno())
     bar.close()
     counts = Counter(final[c.id] for c in conversations)

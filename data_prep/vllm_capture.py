@@ -1,6 +1,6 @@
 """`capture.engine=vllm`: prep's capture stage through vLLM's own hidden-state extraction, written by ShardWriter.
 
-The capture runs on prep's vLLM servers (data_prep/vllm_client.py: `vllm serve` started by prep in vLLM's own venv,
+The capture runs on prep's vLLM servers (serving/client.py: `vllm serve` started by prep in vLLM's own venv,
 `vllm.python`, or the user's `vllm.urls`), serving with the `extract_hidden_states` speculative method and a
 hidden-states KV connector; with regen.backend=vllm the same servers have regenerated the replies first. Each
 rendered sample's token ids go to them as a prompt with max_tokens=1. vLLM records the residual stream after the
@@ -39,70 +39,18 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from data_prep.capture import compact_teacher
 from data_prep.rendered import Rendered, capture_order
 from data_prep.shards import Sample, ShardSpec, ShardWriter, completed_sample_ids
-from data_prep.vllm_client import VLLMClient
 from infra.preemption import Preempted, StopSignals
 from infra.strict_json import dumps
 from models.target_head import TargetHead
+from serving.client import VLLMClient
+from serving.states import aux_layer_ids, features_from_file, read_states
 
 PROBE = "probe:"
 SAMPLE = "sample:"
-
-
-class VLLMCaptureError(RuntimeError):
-    """The engine wrote a file that does not belong to its sample; the message names the file."""
-
-
-def aux_layer_ids(tap_layers: list[int], num_layers: int) -> tuple[list[int], list[int], int]:
-    """(vLLM aux layer ids to extract, ascending and distinct; the column of each tap in their order; the teacher's
-    column). Tap i (output of decoder layer i) is vLLM's id i+1, the teacher (last layer's output) is num_layers."""
-    bad = [i for i in tap_layers if not 0 <= i < num_layers]
-    if bad:
-        raise ValueError(f"tap layers {bad} out of range for a {num_layers}-layer target")
-    ids = sorted({i + 1 for i in tap_layers} | {num_layers})
-    return ids, [ids.index(i + 1) for i in tap_layers], ids.index(num_layers)
-
-
-def read_states(path: Path, sample_id: str, num_ids: int, hidden_size: int, dtype: str | None = None,
-                where: str = "the vLLM server") -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden_states [n, num_ids, H], token_ids [n]) of one connector file, after checking its keys, its shape
-    against the extracted layers and, given `dtype`, prep's dtype (the connector writes the server's own: a user's
-    server started with another --dtype computes other features)."""
-    try:
-        data = load_file(str(path))
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-        raise VLLMCaptureError(f"{path} (sample {sample_id!r}): unreadable ({e})") from e
-    missing = [k for k in ("hidden_states", "token_ids") if k not in data]
-    if missing:
-        raise VLLMCaptureError(f"{path} (sample {sample_id!r}): no {missing} (not a hidden-states connector file)")
-    hs, ids = data["hidden_states"], data["token_ids"]
-    n = ids.shape[0] if ids.dim() == 1 else -1
-    if hs.shape != (n, num_ids, hidden_size):
-        raise VLLMCaptureError(f"{path} (sample {sample_id!r}): hidden_states {tuple(hs.shape)}, expected "
-                               f"{(n, num_ids, hidden_size)} (tokens, extracted layers, hidden size)")
-    if dtype is not None and hs.dtype != getattr(torch, dtype):
-        raise VLLMCaptureError(f"{where} computes in {str(hs.dtype).removeprefix('torch.')}, prep in {dtype} "
-                               f"({path}, sample {sample_id!r}): start it with --dtype {dtype}, or give prep "
-                               f"dtype={str(hs.dtype).removeprefix('torch.')}")
-    return hs, ids.long()
-
-
-def features_from_file(path: Path, input_ids: torch.Tensor, sample_id: str, columns: list[int], teacher: int,
-                       num_ids: int, hidden_size: int, dtype: str | None = None,
-                       where: str = "the vLLM server") -> tuple[torch.Tensor, torch.Tensor]:
-    """(taps [T, n_taps*H] in tap order, teacher hidden [T, H]) from one connector file, after checking that it
-    holds exactly this sample's tokens (read_states checks the rest)."""
-    n = len(input_ids)
-    hs, ids = read_states(path, sample_id, num_ids, hidden_size, dtype, where)
-    if ids.shape != (n,) or not torch.equal(ids, input_ids.long()):
-        raise VLLMCaptureError(f"{path} (sample {sample_id!r}): its token ids ({tuple(ids.shape)}) are not the "
-                               f"sample's {n} tokens")
-    taps = torch.cat([hs[:, c] for c in columns], dim=-1)
-    return taps, hs[:, teacher]
 
 
 def one_pass_features(hs: torch.Tensor, ids: torch.Tensor, rendered: Rendered, columns: list[int],
@@ -143,16 +91,11 @@ def build_sample(rendered: Rendered, taps: torch.Tensor, final_hidden: torch.Ten
                   taps=taps, teacher_hidden=final_hidden if spec.teacher == "hidden" else None, **teacher)
 
 
-def engine_layer_ids(tap_layers: list[int], num_layers: int) -> list[int]:
-    """The aux layer ids a server that captures for these taps extracts."""
-    return aux_layer_ids(tap_layers, num_layers)[0]
-
-
 def stream_features(client: VLLMClient, tap_layers: list[int], num_layers: int, hidden_size: int,
                     items: list[tuple[str, torch.Tensor]],
                     logprobs: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor, torch.Tensor, dict]]:
     """Capture `items` ((key, token ids), in order) on the client's servers and yield (key, taps, teacher hidden,
-    engine) as their answers arrive, in order; `engine`: vLLM's own next-token choice (data_prep/vllm_client.py
+    engine) as their answers arrive, in order; `engine`: vLLM's own next-token choice (serving/client.py
     next_tokens: its greedy next token, and for the keys in `logprobs` its top-1 at every position)."""
     ids, columns, teacher = aux_layer_ids(tap_layers, num_layers)
     if list(client.spec.layer_ids) != ids:

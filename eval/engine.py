@@ -25,7 +25,7 @@ what `vllm serve` runs) with the target and our export, beside our evaluator (`e
   (eval/run.py), and each server gets `--gpu-memory-utilization` from the memory then free (`memory_share`):
   vLLM refuses to start when less than its share of the whole device is free.
 
-Servers are started, watched and stopped by infra/vllm_server.py, as prep's are; prefix caching is off, so a
+Servers are started, watched and stopped by serving/server.py, as prep's are; prefix caching is off, so a
 repeated prompt costs what a new one does.
 """
 
@@ -43,7 +43,7 @@ from pathlib import Path
 
 from eval.config import WARMUP_TOKENS
 from infra.strict_json import dumps
-from infra.vllm_server import (
+from serving.server import (
     API_KEY_ENV,
     VLLMServerError,
     cli_args,
@@ -141,8 +141,8 @@ def acceptance(before: dict, after: dict, k: int) -> dict:
 
 class EngineSession:
     """Servers of one target for one evaluation: `serve(k)` is a server with the drafter drafting k tokens (k = 0:
-    without it), each started, checked healthy, warmed up and stopped by infra.vllm_server. `python` and `check`:
-    the vLLM install checked before anything loaded and what its check said (infra.vllm_server.ready: `version`,
+    without it), each started, checked healthy, warmed up and stopped by serving.server. `python` and `check`:
+    the vLLM install checked before anything loaded and what its check said (serving.server.ready: `version`,
     `cuda`, whether it sees a CUDA device)."""
 
     def __init__(self, vcfg, python: str, check: dict, model: str, dtype: str, drafter: str, method: str,

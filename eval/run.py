@@ -161,10 +161,10 @@ def check_export(drafter: str, preset, tokenizer) -> str:
 
 
 def engine_ready(python: str | None) -> tuple[str, dict]:
-    """engine=vllm: the python of vLLM and its check (infra.vllm_server.ready with prep's check module: vLLM
+    """engine=vllm: the python of vLLM and its check (serving.server.ready with prep's check module: vLLM
     imported, new enough, `version`, `cuda`), before anything loads; VLLMUnavailable, a user error, otherwise."""
-    from data_prep.vllm_client import VLLM_PLUGIN
-    from infra.vllm_server import VLLMUnavailable, ready
+    from serving.client import VLLM_PLUGIN
+    from serving.server import VLLMUnavailable, ready
 
     try:
         return ready(python, VLLM_PLUGIN)

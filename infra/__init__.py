@@ -7,6 +7,4 @@ else of ours (tests/test_architecture.py).
     preemption     SIGTERM/SIGUSR1 as a clean, resumable stop (exit 75), and dying with the launcher
     processes      a free local port, dying with one's parent, a process's peak memory
     config_keys    config keys checked against their schema; ConfigError, the user error of a config
-    vllm_server    vLLM's own server started under a guard, checked and stopped, and the HTTP to it (prep's servers,
-                   eval's engine evaluation, benches); what vLLM's python imports of ours is the caller's to name
 """

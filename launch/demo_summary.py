@@ -46,6 +46,20 @@ def why_no_speedup(report: dict) -> str | None:
             f"a few dozen tokens costs about one step, which is where tau turns into speedup.")
 
 
+def plain_choice(report: dict) -> str | None:
+    """Where decode.auto_total_tokens chose plain decoding (m = 0: no tree predicted to pay on this machine), what
+    the drafter would have given: the probe's tau at the tree of the best predicted speedup, and that speedup."""
+    choice = report["decode"].get("total_tokens_choice") or {}
+    trees = [c for c in choice.get("candidates") or [] if c.get("m")]
+    if choice.get("chosen") != 0 or not trees:
+        return None
+    best = max(trees, key=lambda c: c["predicted_speedup"])
+    return (f"speculation is not predicted to pay on this machine, so evaluation decoded plainly: the best tree "
+            f"(m={best['m']}) accepts tau={_num(best.get('tau'), '.2f')} tokens per target forward on the probe, at a "
+            f"predicted speedup of {best['predicted_speedup']:.2f} (decode.total_tokens_choice in report.json; "
+            f"decode.total_tokens=<m> evaluates a fixed tree)")
+
+
 def demo_lines(prep_summary: dict, train_summary: dict, report: dict, prep: Path, run: Path) -> list[str]:
     held_out = train_summary.get("eval") or {}
     alphas = " ".join(_num(a, ".2f") for a in report["per_position_acceptance"])
@@ -57,7 +71,7 @@ def demo_lines(prep_summary: dict, train_summary: dict, report: dict, prep: Path
         f"         held-out simulated tau {_num(held_out.get('sim_tau'), '.3f')} from training's own eval "
         f"(a target outside the draft vocab is a miss; {_num(held_out.get('oov_rate'), '.1%')} of them are)",
     ]
-    why = why_no_speedup(report)
+    why = why_no_speedup(report) or plain_choice(report)
     if why:
         lines.append(why)
     lines += [

@@ -46,7 +46,7 @@ USER_ERRORS = (
     "infra.dirlock:DirLocked",  # another process holds the run or prep directory
     "data_prep.fidelity:FidelityError",
     "data_prep.regenerate:RegenerationError",  # the regeneration server cannot be used at all (URL, error)
-    "infra.vllm_server:VLLMUnavailable",  # vllm.python missing, without vLLM, or too old
+    "serving.server:VLLMUnavailable",  # vllm.python missing, without vLLM, or too old
     "train.online:TargetMismatch",
     "train.plan:PlanError",
     "models.export:ExportError",
@@ -58,8 +58,8 @@ USER_ERRORS = (
 ENGINE_ERRORS = (
     # a vLLM server that exited, refused a request or its settings, went silent or sent a torn answer: its URL, log
     # and vLLM's reason
-    "infra.vllm_server:VLLMServerError",
-    "data_prep.vllm_capture:VLLMCaptureError",  # a server's file is not its sample's (other layers, another dtype)
+    "serving.server:VLLMServerError",
+    "serving.states:VLLMCaptureError",  # a server's file is not its sample's (other layers, another dtype)
 )
 # What a message starts with, by the class it is an instance of (first match), so the kind of mistake shows.
 PREFIXES = (("ConfigError", "config error"), ("CompactHydraException", "config error"),

@@ -1,10 +1,11 @@
 """The package layering: what each of our packages may import of the others (every import, lazy ones too).
 
-    infra      -> nothing of ours: the floor (strict JSON, directory locks, preemption, config keys, vLLM servers)
+    infra      -> nothing of ours: the floor (strict JSON, directory locks, preemption, config keys)
+    serving    -> infra: the engine floor (vLLM's server, the one client, the connector's files)
     models     -> infra, models (no distributed, pipeline, config or logging code either)
-    data_prep  -> infra, models
-    eval       -> infra, models, data_prep
-    train      -> infra, models, data_prep
+    data_prep  -> infra, serving, models
+    eval       -> infra, serving, models, data_prep
+    train      -> infra, serving, models, data_prep
     launch     -> anything (the entry points)
 
 The family table (models/registry.py) names objectives and drafting strategies as "module:attribute"
@@ -23,10 +24,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = ("infra", "models", "data_prep", "train", "eval", "launch")
+OURS = ("infra", "serving", "models", "data_prep", "train", "eval", "launch")
 BANNED = {
-    "infra": ("models", "data_prep", "train", "eval", "launch", "bench"),
-    "models": ("data_prep", "train", "eval", "launch", "torch.distributed", "deepspeed", "wandb", "hydra"),
+    "infra": ("serving", "models", "data_prep", "train", "eval", "launch", "bench"),
+    "serving": ("models", "data_prep", "train", "eval", "launch", "bench"),
+    "models": ("serving", "data_prep", "train", "eval", "launch", "torch.distributed", "deepspeed", "wandb", "hydra"),
     "data_prep": ("train", "eval", "launch"),
     "eval": ("train", "launch"),
     "train": ("eval", "launch"),

@@ -4,7 +4,7 @@ verify cost: a cycle emitting tau tokens costs tau / speedup one-token steps."""
 from pathlib import Path
 
 from eval.run import format_summary
-from launch.demo_summary import demo_lines, why_no_speedup
+from launch.demo_summary import demo_lines, plain_choice, why_no_speedup
 
 REPORT = {
     "target": "smollm2-135m-instruct", "drafter": "export", "prompts": "mt-bench", "num_prompts": 10,
@@ -35,3 +35,17 @@ def test_summary_leads_with_the_drafter_and_explains_the_speedup():
 
 def test_no_explanation_without_a_speedup_measured():
     assert why_no_speedup({**REPORT, "speedup": None}) is None
+
+
+def test_a_plain_choice_says_what_the_best_tree_would_have_given():
+    """decode.auto_total_tokens chose m = 0: the summary names the tree of the best predicted speedup and its tau."""
+    choice = {"chosen": 0, "candidates": [
+        {"m": 0, "tau": 1.0, "predicted_speedup": 1.0},
+        {"m": 4, "tau": 1.5, "predicted_speedup": 0.93},
+        {"m": 16, "tau": 1.7, "predicted_speedup": 0.81}]}
+    report = {**REPORT, "tau_pooled": None, "speedup": None,
+              "decode": {**REPORT["decode"], "total_tokens": 0, "total_tokens_choice": choice}}
+    line = plain_choice(report)
+    assert line.startswith("speculation is not predicted to pay on this machine") and "(m=4)" in line
+    assert "tau=1.50" in line and "predicted speedup of 0.93" in line
+    assert plain_choice(REPORT) is None

@@ -15,7 +15,7 @@ import pytest
 
 from eval import engine
 from eval.config import WARMUP_TOKENS, EngineVLLMConfig, EvalConfig
-from infra.vllm_server import VLLMServerError
+from serving.server import VLLMServerError
 
 GIB = 1 << 30
 
@@ -35,7 +35,7 @@ def test_both_sides_sample_with_every_parameter_stated() -> None:
 
 def test_a_server_command_ignores_generation_config_and_is_eager_only_without_cuda(tmp_path, monkeypatch) -> None:
     """The full command line vllm_server builds for each server (VLLMServer replaced by a recorder)."""
-    import infra.vllm_server as vs
+    import serving.server as vs
 
     commands: list[list[str]] = []
 

@@ -27,10 +27,10 @@ from vllm_standin import standin_python
 
 from data_prep.config import PrepConfig
 from data_prep.shards import ShardSet, completed_sample_ids
-from data_prep.vllm_capture import VLLMCaptureError, aux_layer_ids
-from data_prep.vllm_client import VLLM_PLUGIN
-from data_prep.vllm_plugin import MIN_VLLM
-from infra.vllm_server import VLLMUnavailable, check_vllm, resolve_python
+from serving.client import VLLM_PLUGIN
+from serving.plugin import MIN_VLLM
+from serving.server import VLLMUnavailable, check_vllm, resolve_python
+from serving.states import VLLMCaptureError, aux_layer_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = os.environ.get("DRAFTERS_VLLM_PYTHON", "")
@@ -530,9 +530,9 @@ def test_prep_on_the_users_servers(tmp_path: Path, tiny_target_dir: Path, tiny_s
                                    monkeypatch) -> None:
     """vllm.urls: a server already running (started with the flags docs/scaling.md gives; its key in
     $OPENAI_API_KEY) regenerates and captures; prep starts none and gives the HF route's replies and shards."""
-    from data_prep.vllm_capture import engine_layer_ids
-    from data_prep.vllm_client import ServerSpec, serve_args
-    from infra.vllm_server import VLLMServer
+    from serving.client import ServerSpec, serve_args
+    from serving.server import VLLMServer
+    from serving.states import engine_layer_ids
 
     common = {"num_samples": 6, "eval_samples": 2, "regen.max_new_tokens": 12, "regen.batch_size": 1,
               "capture.tap_layers": [1, 3, 7], "draft_vocab_count": "train"}
@@ -716,9 +716,9 @@ def test_a_failing_server_of_rank_1_is_named_by_rank_1(tmp_path: Path, tiny_targ
 @pytest.mark.integration
 def test_a_users_server_in_another_dtype_is_refused_naming_both(tmp_path: Path, tiny_target_dir: Path,
                                                                 tiny_sharegpt_file: Path, monkeypatch) -> None:
-    from data_prep.vllm_capture import engine_layer_ids
-    from data_prep.vllm_client import ServerSpec, serve_args
-    from infra.vllm_server import VLLMServer
+    from serving.client import ServerSpec, serve_args
+    from serving.server import VLLMServer
+    from serving.states import engine_layer_ids
 
     spec = ServerSpec(model=str(tiny_target_dir), dtype="bfloat16", max_model_len=2049, hidden_size=64,
                       layer_ids=engine_layer_ids([1, 3, 7], 8))

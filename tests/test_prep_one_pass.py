@@ -186,7 +186,7 @@ def test_a_crash_mid_regeneration_resumes_without_duplicates(tmp_path: Path, dat
     two = tmp_path / "two"
     run_prep(two, *data, **_vllm(tmp_path, **{"capture.one_pass": False}))
     out = tmp_path / "one"
-    cfg = _vllm(tmp_path, **{"regen.batch_size": 1, "capture.tokens_per_shard": 1})
+    cfg = _vllm(tmp_path, **{"regen.batch_size": 1, "vllm.max_in_flight": 1, "capture.tokens_per_shard": 1})
     model, paths = data
     args = [f"{k}={v}".replace(" ", "") for k, v in {**cfg, "model": model, "data": paths, "out": out}.items()]
     # the server exits at its 4th regeneration request: 3 conversations of the train split finished and written

@@ -221,12 +221,12 @@ HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 
 @pytest.mark.integration
 def test_the_servers_we_start_take_a_key_of_their_own(tmp_path: Path, monkeypatch) -> None:
-    """infra.vllm_server.vllm_server (behind make regen-check, engine-check, the vLLM benches) starts its server with
+    """serving.server.vllm_server (behind make regen-check, engine-check, the vLLM benches) starts its server with
     a random key in the server's environment, never on its command line, and our clients use it for the block.
     The server here is a stand-in speaking vLLM's protocol (vLLM has its own venv, not the suite's)."""
     from data_prep.conversations import Conversation, Message
     from data_prep.regenerate import OpenAIBackend, RegenerationError, read_results, regenerate
-    from infra.vllm_server import http_post_json, vllm_server
+    from serving.server import http_post_json, vllm_server
 
     for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy", "OPENAI_API_KEY"):
         monkeypatch.delenv(var, raising=False)

@@ -4,7 +4,7 @@ next to the `hf` backend on the same conversations (`make regen-check`).
     DRAFTERS_VLLM_PYTHON=.venv-vllm/bin/python pytest -s tests/test_prep_regen_vllm.py
 
 Skipped unless DRAFTERS_VLLM_PYTHON names the python of a vLLM install (its own venv: vLLM pins its own
-torch). The server (infra.vllm_server.vllm_server) takes ~35-60 s to start on CPU. Both backends run
+torch). The server (serving.server.vllm_server) takes ~35-60 s to start on CPU. Both backends run
 through data_prep.pipeline.regenerate_split, the code `make prep` runs, greedily, on a few real ShareGPT
 conversations (two turns each, so the second request carries the first regenerated reply). vLLM serves
 the target under its hub id (what regen.served_model defaults to) and in the preset's dtype, the dtype the
@@ -50,7 +50,7 @@ def test_openai_backend_on_real_vllm_matches_hf_greedy(tmp_path: Path, monkeypat
     from data_prep.conversations import load_conversations
     from data_prep.pipeline import plan_regeneration, regenerate_split
     from data_prep.targets import load_target, model_path, resolve_target, target_dtype
-    from infra.vllm_server import vllm_server
+    from serving.server import vllm_server
 
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")  # the server is local whatever proxy is set
     torch.set_num_threads(1)

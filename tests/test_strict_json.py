@@ -16,9 +16,9 @@ from infra.strict_json import dumps, json_safe, write_json
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("data_prep", "train", "eval", "launch", "bench")
 # models/ may not import data_prep (tests/test_architecture.py) and writes finite geometry only (export config.json,
-# the target head's header). data_prep/vllm_plugin.py runs under vLLM's own Python, outside this package, and its
+# the target head's header). serving/plugin.py runs under vLLM's own Python, outside this package, and its
 # index lines are the private protocol with data_prep/vllm_capture.py (logprobs may be -inf there).
-EXEMPT = {"infra/strict_json.py", "data_prep/vllm_plugin.py"}
+EXEMPT = {"infra/strict_json.py", "serving/plugin.py"}
 NON_FINITE = {"sim_tau_alpha": float("nan"), "alpha_k": [0.5, float("nan")], "up": float("inf"),
               "down": -float("inf"), "fine": 1.5, 3: "int key"}
 

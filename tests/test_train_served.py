@@ -188,9 +188,9 @@ def test_a_server_that_hangs_stops_the_run_within_its_timeout(tmp_path: Path, pr
 
 
 def test_the_users_server_feeds_the_same_run(tmp_path: Path, prep: Path, standin: str, tiny_target_dir: Path) -> None:
-    from data_prep.vllm_capture import engine_layer_ids
-    from data_prep.vllm_client import ServerSpec, serve_args
-    from infra.vllm_server import VLLMServer
+    from serving.client import ServerSpec, serve_args
+    from serving.server import VLLMServer
+    from serving.states import engine_layer_ids
 
     ref = tmp_path / "ref"
     train_in_one_process(prep, [(ref, SIX)], common=ONLINE_COMMON)

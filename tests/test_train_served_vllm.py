@@ -33,7 +33,7 @@ from train_runs import (
 )
 
 from infra.processes import free_port
-from infra.vllm_server import group_members
+from serving.server import group_members
 
 VLLM_PYTHON = os.environ.get("DRAFTERS_VLLM_PYTHON", "")
 RTOL = 1e-4

@@ -1,4 +1,4 @@
-"""Prep's vLLM servers (infra/vllm_server.py, data_prep/vllm_client.py): what each rank's server gets (devices,
+"""Prep's vLLM servers (serving/server.py, serving/client.py): what each rank's server gets (devices,
 environment, port, flags) on one node and on two, how ranks split the user's servers, the guard that takes the
 server's whole process group down with its parent, and bounded waits. The stand-in server (tests/vllm_standin.py)
 speaks vLLM's HTTP; prep's behaviour end to end against it is in tests/test_prep_capture_vllm.py."""
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from data_prep.config import PrepConfig, VLLMConfig
-from data_prep.vllm_client import ServerSpec, VLLMClient, node_urls, serve_args
-from infra.vllm_server import (
+from serving.client import ServerSpec, VLLMClient, node_urls, serve_args
+from serving.server import (
     TORCHRUN_VARS,
     VLLMServerError,
     VLLMUnavailable,
@@ -89,7 +89,7 @@ def test_the_users_servers_are_matched_to_ranks_by_node() -> None:
 def test_the_nodes_own_names_and_addresses_match_its_urls(monkeypatch) -> None:
     import socket
 
-    from data_prep.vllm_client import is_this_node, node_names
+    from serving.client import is_this_node, node_names
 
     monkeypatch.setattr(socket, "gethostname", lambda: "node-b.cluster")
     monkeypatch.setenv("SLURMD_NODENAME", "nb")
@@ -114,7 +114,7 @@ def test_serve_args_extract_the_taps_and_take_the_users_engine_arguments() -> No
     assert args[-4:] == ["--enforce-eager", "--gpu-memory-utilization", "0.9", "--no-enable-chunked-prefill"]
     cpu = json.loads(serve_args(spec, "/s", cuda=False)[args.index("--kv-transfer-config") + 1])
     assert (cpu["kv_connector"], cpu["kv_connector_module_path"]) == ("CPUHiddenStatesConnector",
-                                                                      "data_prep.vllm_plugin")
+                                                                      "serving.plugin")
     regen_only = serve_args(ServerSpec(model="/m", dtype="float32", max_model_len=9, hidden_size=8), "/s", cuda=False)
     assert "--speculative-config" not in regen_only and "--kv-transfer-config" not in regen_only
 
@@ -124,12 +124,12 @@ def test_scratch_must_hold_one_sample(tmp_path: Path) -> None:
 
     spec = ServerSpec(model="/m", dtype="bfloat16", max_model_len=40_001, hidden_size=2880, layer_ids=[2, 18, 33, 36])
     with pytest.raises(ConfigError, match=r"vllm.scratch_gb=0.5 holds less than one sample of max_len \(40000 tokens"):
-        VLLMClient(spec, VLLMConfig(scratch_gb=0.5), python="/x", cuda=False, rank=0, world=1, local_rank=0,
+        VLLMClient(spec, VLLMConfig(scratch_gb=0.5), python="/x", cuda=False, rank=0, local_rank=0,
                    log_path=tmp_path / "vllm.log")
     # the node's ranks together: scratch_gb x ranks per node must be free on the scratch's filesystem
     client = VLLMClient(spec, VLLMConfig(scratch_gb=2.0, scratch_dir=str(tmp_path)), python="/x", cuda=False, rank=0,
-                        world=1, local_rank=0, local_world=1_000_000, log_path=tmp_path / "vllm.log")
-    with pytest.raises(ConfigError, match=r"vllm.scratch_gb=2.0 per prep rank x 1000000 ranks on this node = 2e\+06 "
+                        local_rank=0, local_world=1_000_000, log_path=tmp_path / "vllm.log")
+    with pytest.raises(ConfigError, match=r"vllm.scratch_gb=2.0 per rank x 1000000 ranks on this node = 2e\+06 "
                                           r"GiB of node-local scratch, but .* GiB free"):
         client.start()
 
@@ -242,7 +242,7 @@ def test_the_guard_stops_the_servers_whole_process_group_when_its_parent_goes(tm
     parent = subprocess.Popen([sys.executable, "-c", (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from infra.vllm_server import VLLMServer\n"
+        "from serving.server import VLLMServer\n"
         f"s = VLLMServer(sys.executable, [], log_path=Path({str(log)!r}))\n"
         f"s.args = []\n"
         f"s.__class__.command = property(lambda self: [sys.executable, {str(script)!r}])\n"
@@ -266,7 +266,7 @@ def _client(tmp_path: Path, model: Path, env_log: Path, devices: str | None = No
     spec = ServerSpec(model=str(model), dtype="float32", max_model_len=256, hidden_size=64,
                       tensor_parallel_size=cfg.pop("tp", 1))
     return VLLMClient(spec, VLLMConfig(scratch_dir=str(tmp_path / "scratch"), **cfg), python=standin_python(tmp_path),
-                      cuda=False, rank=int(os.environ.get("RANK", 0)), world=int(os.environ.get("WORLD_SIZE", 1)),
+                      cuda=False, rank=int(os.environ.get("RANK", 0)),
                       local_rank=int(os.environ.get("LOCAL_RANK", 0)), log_path=tmp_path / "vllm.log",
                       devices=devices)
 
@@ -302,16 +302,23 @@ def test_a_started_server_gets_its_rank_devices_and_no_torchrun_variables(tmp_pa
 @pytest.mark.integration
 def test_a_server_that_accepts_and_never_answers_fails_within_the_deadline(tmp_path: Path, tiny_target_dir: Path,
                                                                           monkeypatch) -> None:
-    """vllm.timeout_s bounds a server's silence: requests in flight, no answer and no progress on its counters."""
+    """vllm.timeout_s bounds a server's silence: requests in flight, no answer and no progress on its counters (a
+    request sent whole, as every request that asks for a states file is), or no token (a streamed one)."""
     monkeypatch.setenv("STANDIN_HANG", "1")
     with _client(tmp_path, tiny_target_dir, tmp_path / "standin.log") as client:
         client.wait_ready()
         client.timeout_s = 3  # vllm.timeout_s (here shorter than the stand-in's start-up)
         start = time.perf_counter()
-        with pytest.raises(VLLMServerError, match=r"vLLM server http://127.0.0.1:\d+ \(log: .*vllm.log\): no answer "
-                                                  r"and no progress for 3 s with requests in flight \(vllm.timeout_s\)"):
+        with pytest.raises(VLLMServerError, match=r"vLLM server http://127.0.0.1:\d+ \(log: .*vllm.log\): a request "
+                                                  r"showed no progress for 3 s \(vllm.timeout_s\)"):
             client.generate([[1, 2, 3]] * 4, max_tokens=3)
         assert time.perf_counter() - start < 30  # the deadline, not the stand-in's hour
+        client.spec = ServerSpec(model="m", dtype="float32", max_model_len=256, hidden_size=64, layer_ids=[2, 4, 8])
+        start = time.perf_counter()
+        with pytest.raises(VLLMServerError, match=r"vLLM server http://127.0.0.1:\d+ \(log: .*vllm.log\): no answer "
+                                                  r"and no progress for 3 s with requests in flight \(vllm.timeout_s\)"):
+            list(client.capture([(str(i), [1, 2, 3]) for i in range(4)]))
+        assert time.perf_counter() - start < 30
 
 
 @pytest.mark.integration
@@ -322,7 +329,7 @@ def test_a_long_queue_that_makes_progress_is_not_silence(tmp_path: Path, tiny_ta
     spec = ServerSpec(model=str(tiny_target_dir), dtype="float32", max_model_len=256, hidden_size=64,
                       layer_ids=[2, 4, 8])
     client = VLLMClient(spec, VLLMConfig(scratch_dir=str(tmp_path / "scratch"), max_in_flight=4, timeout_s=3),
-                        python=standin_python(tmp_path), cuda=False, rank=0, world=1, local_rank=0,
+                        python=standin_python(tmp_path), cuda=False, rank=0, local_rank=0,
                         log_path=tmp_path / "vllm.log")
     with client:
         client.timeout_s = 120
@@ -339,7 +346,7 @@ def test_a_torn_answer_or_a_foreign_file_is_an_error_naming_the_server(tmp_path:
                                                                       monkeypatch, how: str) -> None:
     """An answer cut short is an engine error naming the server (not a raw IncompleteRead); a server that wrote its
     file elsewhere than asked (no allow_custom_save_path) is refused, its file left alone."""
-    from data_prep.vllm_client import received_file
+    from serving.client import received_file
 
     if how == "torn":
         monkeypatch.setenv("STANDIN_TORN", "1")
@@ -350,7 +357,7 @@ def test_a_torn_answer_or_a_foreign_file_is_an_error_naming_the_server(tmp_path:
         client.wait_ready()
         if how == "torn":
             with pytest.raises(VLLMServerError, match=r"vLLM server http://127.0.0.1:\d+ \(log: .*\) sent a torn "
-                                                      r"answer \(IncompleteRead"):
+                                                      r"answer"):
                 list(client.capture([("a", [1, 2, 3])]))
             return
     elsewhere = tmp_path / "server-dir" / "x.safetensors"
@@ -396,7 +403,7 @@ def test_the_startup_deadline_holds_beside_other_work(tmp_path: Path, tiny_targe
 
 
 def _members(pgid: int) -> set[int]:
-    from infra.vllm_server import group_members
+    from serving.server import group_members
 
     return group_members(pgid)
 
@@ -417,8 +424,8 @@ def test_killing_the_guard_or_the_server_leaves_nothing_running(tmp_path: Path, 
         scratch = tmp_path / "scratch" / "launch"
         scratch.mkdir(parents=True)
         caller = subprocess.Popen([sys.executable, "-c", (
-            "import sys, time\nfrom pathlib import Path\nfrom data_prep.vllm_client import ServerSpec, serve_args\n"
-            "from infra.vllm_server import VLLMServer\n"
+            "import sys, time\nfrom pathlib import Path\nfrom serving.client import ServerSpec, serve_args\n"
+            "from serving.server import VLLMServer\n"
             f"s = VLLMServer({standin_python(tmp_path)!r}, ['--model', {str(tiny_target_dir)!r}], "
             f"log_path=Path({str(tmp_path / 'vllm.log')!r}), scratch=Path({str(scratch)!r}), grace_s=2).start()\n"
             "s.wait_healthy(120)\nprint(s.guard.pid, s.env['VLLM_RPC_BASE_PATH'], flush=True)\ntime.sleep(600)\n")],
@@ -436,7 +443,7 @@ def test_killing_the_guard_or_the_server_leaves_nothing_running(tmp_path: Path, 
         assert not _members(guard) and not scratch.exists() and not Path(sockets).exists()
         return
     client = VLLMClient(spec, VLLMConfig(scratch_dir=str(tmp_path / "scratch")), python=standin_python(tmp_path),
-                        cuda=False, rank=0, world=1, local_rank=0, log_path=tmp_path / "vllm.log")
+                        cuda=False, rank=0, local_rank=0, log_path=tmp_path / "vllm.log")
     with client:
         client.wait_ready()
         guard = client.server.guard.pid
@@ -458,10 +465,10 @@ def test_the_users_servers_scratch_goes_when_prep_is_killed(tmp_path: Path) -> N
     included."""
     caller = subprocess.Popen([sys.executable, "-c", (
         "import time\nfrom pathlib import Path\nfrom data_prep.config import VLLMConfig\n"
-        "from data_prep.vllm_client import ServerSpec, VLLMClient\n"
+        "from serving.client import ServerSpec, VLLMClient\n"
         "spec = ServerSpec(model='m', dtype='float32', max_model_len=9, hidden_size=8, layer_ids=[1])\n"
         f"c = VLLMClient(spec, VLLMConfig(urls=['http://127.0.0.1:9'], scratch_dir={str(tmp_path / 's')!r}), "
-        "python=None, cuda=False, rank=0, world=1, local_rank=0, log_path=Path('x')).start()\n"
+        "python=None, cuda=False, rank=0, local_rank=0, log_path=Path('x')).start()\n"
         "(c.scratch / 'cap-1.safetensors').write_bytes(b'x')\nprint(c.scratch, flush=True)\ntime.sleep(600)\n")],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
     launch = Path(caller.stdout.readline().strip())

@@ -1,5 +1,5 @@
 """Stand-in for vLLM's OpenAI-compatible server where no vLLM is installed: the same command line
-(`<python> -m vllm.entrypoints.openai.api_server --model ... --host ... --port ...`, and `-m data_prep.vllm_plugin
+(`<python> -m vllm.entrypoints.openai.api_server --model ... --host ... --port ...`, and `-m serving.plugin
 --check`) and the same HTTP (/health, /v1/models, /v1/completions with token ids in and out, `return_token_ids`,
 `logprobs`, `prompt_logprobs`, `kv_transfer_params`), backed by a transformers model. A request to a server started
 with `--speculative-config` (method extract_hidden_states) and `--kv-transfer-config` gets its prompt's hidden
@@ -23,9 +23,14 @@ generate request n+1: a crash mid-regeneration), STANDIN_SLOW_S (seconds added t
 STANDIN_BAD_TOKENS=1 (the wrong token ids in every file), STANDIN_OTHER_HEAD=1 (next-token choices that are not the
 target head's), STANDIN_TORN=1 (every completion's answer cut short: fewer bytes than its Content-Length),
 STANDIN_DEVICES=n (the CUDA devices --check reports), STANDIN_FAIL_DEVICES=<ids> (the server given those
-CUDA_VISIBLE_DEVICES crashes at its first generate request: one rank's server failing). /metrics gives vLLM's prompt and generation token counters;
-a slow request (STANDIN_SLOW_S) raises the prompt counter while it works, a hanging one (STANDIN_HANG) does not.
-Requests are computed one at a time, as a queue.
+CUDA_VISIBLE_DEVICES crashes at its first generate request: one rank's server failing), STANDIN_TOKEN_S (seconds
+between a streamed answer's tokens, streams interleaving as a batching engine's do), STANDIN_STALL_TOKEN=<id> (a
+streamed request whose prompt starts with that id sends its first event and then nothing: one stuck request among
+others that progress). /metrics gives vLLM's prompt and generation token counters; a slow request (STANDIN_SLOW_S)
+raises the prompt counter while it works, a hanging one (STANDIN_HANG) does not. Requests are computed one at a
+time, as a queue; a request with "stream": true gets vLLM's server-sent events (one per generated token, its
+`token_ids`, the last with its finish_reason, then `[DONE]`). STANDIN_LOG gets `in flight <n>` whenever the number of
+requests open at once reaches a new high.
 """
 
 from __future__ import annotations
@@ -88,6 +93,15 @@ class Model:
         self.prompt_tokens = self.generation_tokens = 0
         self.captures = itertools.count(1)
         self.generates = itertools.count(1)
+        self.open = self.most_open = 0
+        self.open_lock = threading.Lock()
+
+    def opened(self, delta: int) -> None:
+        with self.open_lock:
+            self.open += delta
+            if self.open > self.most_open:
+                self.most_open = self.open
+                log(f"in flight {self.open}")
 
     def states(self, out):
         """[T, n_ids, H] for vLLM's aux layer ids of a forward's output (id num_layers: the final norm's input)."""
@@ -213,16 +227,46 @@ def serve(args) -> int:
             elif self.path != "/v1/models":
                 self._send(404, {})
 
+        def _events(self, answer: dict, stall: bool) -> None:
+            """The answer as vLLM streams it: an event per generated token, the last with the finish reason."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            choice = answer["choices"][0]
+            tokens = choice["token_ids"]
+            for j, t in enumerate(tokens):
+                last = j == len(tokens) - 1
+                event = {"id": answer["id"], "object": "text_completion", "choices": [
+                    {"index": 0, "text": "", "token_ids": [t], "finish_reason": choice["finish_reason"] if last
+                     else None}]}
+                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+                self.wfile.flush()
+                if stall:
+                    time.sleep(3600)
+                time.sleep(float(os.environ.get("STANDIN_TOKEN_S", 0)))
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+
         def do_POST(self) -> None:
             if not self._authorized():
                 return
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if os.environ.get("STANDIN_HANG"):
                 time.sleep(3600)
+            model.opened(+1)
             try:
-                self._send(200, model.complete(body), torn=bool(os.environ.get("STANDIN_TORN")))
+                answer = model.complete(body)
+                if body.get("stream"):
+                    stall = str(body["prompt"][0]) == os.environ.get("STANDIN_STALL_TOKEN")
+                    self._events(answer, stall)
+                else:
+                    self._send(200, answer, torn=bool(os.environ.get("STANDIN_TORN")))
             except ValueError as e:
                 self._send(400, {"error": {"message": str(e)}})
+            except (BrokenPipeError, ConnectionResetError):  # the client went away (it cancelled the request)
+                pass
+            finally:
+                model.opened(-1)
 
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     server.daemon_threads = True

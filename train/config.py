@@ -17,9 +17,9 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from data_prep.config import VLLMConfig
 from infra.config_keys import ConfigError, check_keys
 from models.dflash import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS
+from serving.config import VLLMConfig
 
 PRECISIONS = ("auto", "bf16", "fp32")
 DIST_BACKENDS = ("auto", "nccl", "gloo")

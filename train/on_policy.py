@@ -185,7 +185,7 @@ class ServedTarget(RolloutTarget):
     def generate(self, prompts: list[list[int]], budgets: list[int], stop: tuple[int, ...]) -> list[list[int]]:
         asked = [i for i, n in enumerate(budgets) if n > 0]
         rows = dict(zip(asked, self.served.features.generate([prompts[i] for i in asked],
-                                                              max((budgets[i] for i in asked), default=1), stop)))
+                                                              [budgets[i] for i in asked], stop)))
         out = []
         for i, n in enumerate(budgets):
             row = rows.get(i, [])

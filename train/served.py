@@ -2,7 +2,7 @@
 
 Training reads the prep's rendered samples (<prep>/rendered/: token ids and loss masks; `make prep
 ARGS="stage=render"` writes only those) and gets each sample's taps and teacher from vLLM's own servers through
-prep's own client (data_prep/vllm_client.py VLLMClient; the `vllm.*` keys mean what they mean to prep) and prep's
+prep's own client (serving/client.py VLLMClient; the `vllm.*` keys mean what they mean to prep) and prep's
 own reading of the hidden-states connector's files (data_prep/vllm_capture.py stream_features, build_sample): a
 sample is what a prep with capture.engine=vllm writes for it on the same server, returned as its shard set returns
 it (data_prep.shards.as_read_back). From there the sampler, windows, collate and objective are offline's and
@@ -19,9 +19,9 @@ Where the servers run:
 - started by training (vllm.urls empty): data.vllm_servers_per_node servers on every node, server s started by the
   node's local rank s mod (ranks on the node), each on its own group of tensor_parallel_size x
   pipeline_parallel_size devices after the training ranks' (training rank l computes on device l; server s takes
-  the node's devices from local_world + s*g on), or on the CPU, under prep's guard (infra/vllm_server.py: it stops
+  the node's devices from local_world + s*g on), or on the CPU, under prep's guard (serving/server.py: it stops
   the server when its rank is gone, kill -9 included). Every rank learns its node's servers' addresses (one
-  all_gather at start) and the node's ranks split them (data_prep/vllm_client.py node_urls' rule).
+  all_gather at start) and the node's ranks split them (serving/client.py node_urls' rule).
 - the user's (vllm.urls): servers already running on the training ranks' nodes (a server writes its files on its
   own node), started with the flags docs/scaling.md gives.
 Each rank has its own requests and its own scratch directory (node-local, removed when the rank is gone).
@@ -40,10 +40,9 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -51,11 +50,8 @@ import torch
 from data_prep.rendered import Rendered, RenderedSet
 from data_prep.shards import Sample, ShardError, ShardSpec, as_read_back
 from infra.config_keys import ConfigError
-from infra.preemption import Preempted
-from infra.vllm_server import VLLMServerError
 from train.config import RunConfig
 
-SIGNAL_LAG_S = 2.0  # how long a server's failure waits for the stop signal that may have caused it to be seen
 LOG_NAME = "vllm.{node}.s{server}.log"  # a started server's log, in the run directory
 
 
@@ -168,10 +164,8 @@ class ServedFeatures:
     """A rank's vLLM servers turned into shard samples: `stream(items)` sends each (key, rendered sample) and yields
     (key, Sample) in order, built as prep's vLLM capture builds them."""
 
-    def __init__(self, client, spec: ShardSpec, head, wait_ready: Callable[[], None],
-                 should_stop: Callable[[], int] = lambda: 0):
+    def __init__(self, client, spec: ShardSpec, head, wait_ready: Callable[[], None]):
         self.client, self.spec, self.head, self._wait_ready = client, spec, head, wait_ready
-        self.should_stop = should_stop
         self.dtype = client.spec.dtype
         self.where = client.where
         self._ready = False
@@ -194,45 +188,19 @@ class ServedFeatures:
                     self.checked += 1
                     self.agreed += int(head_choice(self.head, final[-1]) == engine["next_token"])
                 yield key, build_sample(r, taps, final, self.spec, self.head)
-        except VLLMServerError as e:
-            raise self.stopped_instead(e) from None
         finally:
             features.close()
 
-    def generate(self, prompts: list[list[int]], max_tokens: int, stop: tuple[int, ...]) -> list[list[int]]:
-        """Each prompt's greedy continuation by the servers (at most max_tokens, ending at a `stop` id): the
-        on-policy stage's greedy rollouts (train/on_policy.py ServedTarget)."""
+    def generate(self, prompts: list[list[int]], budgets: list[int], stop: tuple[int, ...]) -> list[list[int]]:
+        """Each prompt's greedy continuation by the servers (at most its own budget of tokens, ending at a `stop`
+        id), all in flight together: the on-policy stage's greedy rollouts (train/on_policy.py ServedTarget)."""
         if not prompts:
             return []
         if not self._ready:
             self._wait_ready()
             self._ready = True
-        try:
-            outs = self.client.generate(prompts, max_tokens=max_tokens, temperature=0.0,
-                                        stop_token_ids=list(stop))
-        except VLLMServerError as e:
-            raise self.stopped_instead(e) from None
+        outs = self.client.generate(prompts, max_tokens=list(budgets), temperature=0.0, stop_token_ids=list(stop))
         return [list(o["token_ids"]) for o in outs]
-
-    def stopped_instead(self, error: Exception) -> BaseException:
-        """Preempted when a stop signal came with a server's failure (SLURM signals every process of the step: vLLM
-        exits on SIGTERM, failing what is in flight), else the failure itself. A signal alone does not end a wait:
-        the trainer stops at its next step boundary, its step's features answered by a server still running."""
-        deadline = time.monotonic() + SIGNAL_LAG_S
-        while not self.should_stop() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if self.should_stop():
-            return Preempted(self.should_stop())
-        for url, server in _STARTED_HERE.items():  # a server of this rank's: say that it exited, and why
-            if url in str(error):
-                deadline = time.monotonic() + 10.0
-                while server.alive() and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                try:
-                    server.raise_if_dead()
-                except VLLMServerError as exited:
-                    return exited
-        return error
 
     def agreement(self) -> float | None:
         """Of the samples received, the share whose last teacher row gives, through the prep's head, the token the
@@ -241,13 +209,14 @@ class ServedFeatures:
 
 
 def start_node_servers(cfg: RunConfig, spec, run_dir: Path, local_rank: int, local_world: int,
-                       stack: ExitStack) -> list[StartedServer]:
+                       stack: ExitStack) -> tuple[list[StartedServer], dict]:
     """Start this rank's share of its node's data.vllm_servers_per_node servers (they build in the background;
-    `stack` stops them) and return every server of the job (one all_gather: a collective)."""
+    `stack` stops them) and return every server of the job (one all_gather: a collective) and this rank's own
+    processes by URL (their exit is seen at once, with vLLM's reason)."""
     import torch.distributed as dist
 
-    from data_prep.vllm_client import VLLM_PLUGIN, serve_args
-    from infra.vllm_server import VLLMServer, ready
+    from serving.client import VLLM_PLUGIN, serve_args
+    from serving.server import VLLMServer, ready
 
     v, node = cfg.vllm, node_id()
     mine = [s for s in range(cfg.data.vllm_servers_per_node) if s % local_world == local_rank]
@@ -270,44 +239,15 @@ def start_node_servers(cfg: RunConfig, spec, run_dir: Path, local_rank: int, loc
         dist.all_gather_object(everyone, [asdict(s) for _, s in started])
     else:
         everyone = [[asdict(s) for _, s in started]]
-    _STARTED_HERE.clear()
-    _STARTED_HERE.update({s.url: server for server, s in started})
-    return [StartedServer(**s) for part in everyone for s in part]
-
-
-_STARTED_HERE: dict = {}  # url -> this rank's VLLMServer: its exit is seen at once, with vLLM's reason
+    return [StartedServer(**s) for part in everyone for s in part], {s.url: server for server, s in started}
 
 
 def _scratch_root(configured: str | None) -> Path:
-    from data_prep.vllm_client import scratch_root
+    from serving.client import scratch_root
 
     root = scratch_root(configured)
     root.mkdir(parents=True, exist_ok=True)
     return root
-
-
-def wait_serving(endpoints, timeout_s: float, should_stop: Callable[[], int] = lambda: 0) -> None:
-    """Until every endpoint answers /health: a server this rank started is watched for its exit (its reason
-    quoted); the others are polled. VLLMServerError naming the server and its log after timeout_s; Preempted at
-    once on a stop signal (nothing has trained yet)."""
-    from infra.vllm_server import VLLMServerError, http_get
-
-    deadline = time.monotonic() + timeout_s
-    for e in endpoints:
-        server = _STARTED_HERE.get(e.url)
-        while True:
-            if should_stop():
-                raise Preempted(should_stop())
-            if server is not None:
-                server.raise_if_dead(" while starting")
-            try:
-                http_get(e.url + "/health", timeout_s=5.0)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise VLLMServerError(f"{e.where} was not healthy within {timeout_s:.0f} s (vllm.timeout_s)"
-                                          ) from None
-                time.sleep(1.0)
 
 
 def served_sources(cfg: RunConfig, run_dir: Path, rank: int, world: int, stack: ExitStack,
@@ -318,8 +258,8 @@ def served_sources(cfg: RunConfig, run_dir: Path, rank: int, world: int, stack: 
     server starts, the servers started (or the user's found) and every resource entered into `stack` (servers,
     scratch and connections go when training ends, however)."""
     from data_prep.targets import load_target_config, load_tokenizer, model_path, resolve_target, target_dtype
-    from data_prep.vllm_capture import engine_layer_ids
-    from data_prep.vllm_client import Endpoint, ServerSpec, VLLMClient
+    from serving.client import Endpoint, ServerSpec, VLLMClient
+    from serving.states import engine_layer_ids
     from train.build import load_head
     from train.online import check_target_config, rendered_splits
 
@@ -337,33 +277,34 @@ def served_sources(cfg: RunConfig, run_dir: Path, rank: int, world: int, stack: 
     truncate = d.max_len if d.overflow == "truncate" else None
     longest = max(min(n, truncate or n) for part in (train_rendered, eval_rendered) if part is not None
                   for n in part.lengths())
+    # rollouts (the on-policy stage) send prompt + continuation, cut at data.max_len, whatever the rendered lengths
+    context = max(longest, d.max_len) if cfg.train.on_policy.enabled else longest
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     server_spec = ServerSpec(model=model_path(preset),
                              dtype=target_dtype(preset, source.dtype, "cuda" if torch.cuda.is_available() else "cpu"),
-                             max_model_len=longest + 1, hidden_size=spec.target["hidden_size"],
+                             max_model_len=context + 1, hidden_size=spec.target["hidden_size"],
                              layer_ids=engine_layer_ids(spec.tap_layers, spec.target["num_layers"]),
                              tensor_parallel_size=v.tensor_parallel_size,
                              pipeline_parallel_size=v.pipeline_parallel_size, engine_kwargs=dict(v.engine_kwargs))
     log_path = run_dir / f"vllm-client.r{rank}.log"
     if v.urls:
-        client = VLLMClient(server_spec, v, python=None, cuda=False, rank=rank, world=world, local_rank=local_rank,
-                            local_world=local_world, log_path=log_path)
+        client = VLLMClient(server_spec, v, rank=rank, local_rank=local_rank, local_world=local_world,
+                            log_path=log_path, should_stop=should_stop, stop_ends_waits=False)
     else:
-        started = start_node_servers(cfg, server_spec, run_dir, local_rank, local_world, stack)
+        started, mine = start_node_servers(cfg, server_spec, run_dir, local_rank, local_world, stack)
         node = node_id()
         ours = [s for s in started if s.node == node]
         share = ours[local_rank::local_world] if len(ours) >= local_world else [ours[local_rank % len(ours)]]
-        client = VLLMClient(server_spec, replace(v, urls=[s.url for s in share]), python=None, cuda=False, rank=rank,
-                            world=world, local_rank=0, local_world=1, log_path=log_path)
-        client.endpoints = [Endpoint(s.url, s.key, where=s.where()) for s in share]
+        client = VLLMClient(server_spec, v, rank=rank, log_path=log_path, should_stop=should_stop,
+                            stop_ends_waits=False,
+                            started=[Endpoint(s.url, s.key, where=s.where(), server=mine.get(s.url)) for s in share])
     stack.enter_context(client)
 
     def ready() -> None:
-        wait_serving(client.endpoints, v.timeout_s, should_stop)
-        client.wait_ready()  # every server serves the prep's target at the length needed
+        client.wait_ready()  # every server healthy, serving the prep's target at the length needed
 
     head = load_head(prep) if spec.teacher != "hidden" else None
-    features = ServedFeatures(client, spec, head, ready, should_stop)
+    features = ServedFeatures(client, spec, head, ready)
     held_out = ServedSamples(eval_rendered, features, truncate) if eval_rendered is not None else None
     if d.source == "hybrid":
         from train.online import CAPTURED_DIR, HybridSamples

@@ -20,7 +20,7 @@ What a started server gets:
 - SIGUSR1 ignored: SLURM's `--signal=USR1@N` reaches every process of the job step, and the warning is for the
   caller, which stops at its next boundary (infra/preemption.py) and then stops the server itself. SIGTERM keeps
   vLLM's own meaning (a graceful exit); a caller that received it too stops as preempted (exit 75).
-- a guard: `python -m infra.vllm_server --guard -- <command>` is the process the caller starts. It leads a process
+- a guard: `python -m serving.server --guard -- <command>` is the process the caller starts. It leads a process
   group of its own, runs the server in it (the server with the kernel's parent-death signal tied to the guard), and
   reads its standard input, a pipe from the caller: end-of-file means the caller is gone, however it ended (an
   exception, a signal, kill -9), and the guard stops the whole group: SIGTERM, the grace period, SIGKILL, until no
@@ -277,7 +277,7 @@ class VLLMServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "w") as log:
             # stdin: the pipe whose end-of-file tells the guard that this process is gone
-            guard = [sys.executable, "-m", "infra.vllm_server", "--guard", "--grace-s", str(self.grace_s),
+            guard = [sys.executable, "-m", "serving.server", "--guard", "--grace-s", str(self.grace_s),
                      *[a for p in self.removed for a in ("--scratch", str(p))], "--", *self.command]
             self.guard = subprocess.Popen(guard, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
                                           cwd=REPO_ROOT, env=self.env, start_new_session=True)
@@ -561,7 +561,7 @@ def http_post_json(url: str, body: dict, timeout_s: float = 600.0) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# The guard (a process of its own: `python -m infra.vllm_server --guard -- <server command>`)
+# The guard (a process of its own: `python -m serving.server --guard -- <server command>`)
 
 
 GUARD_IGNORES = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
@@ -616,7 +616,7 @@ def guard(command: list[str], grace_s: float, scratch: Sequence[str] = ()) -> in
         _say("end: the caller is gone; scratch removed")
         return 0
     # the sentinel stops the group if this guard is killed (kill -9): it exits on its own when the guard ends
-    sentinel = subprocess.Popen([sys.executable, "-m", "infra.vllm_server", "--sentinel", str(os.getpid()),
+    sentinel = subprocess.Popen([sys.executable, "-m", "serving.server", "--sentinel", str(os.getpid()),
                                  "--grace-s", str(grace_s), *[a for p in scratch for a in ("--scratch", p)]],
                                 stdin=subprocess.DEVNULL, cwd=REPO_ROOT)
     server = subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=_server_preexec)

@@ -1,9 +1,9 @@
 """What vLLM's own processes import from this repository (run by the python of a vLLM install, its own venv; never
 imported by the project's processes): the version check and the hidden-states connector for a CPU build.
 
-    <vllm python> -m data_prep.vllm_plugin --check     # one JSON line: vLLM's version, usable or why not
+    <vllm python> -m serving.plugin --check     # one JSON line: vLLM's version, usable or why not
 
-Prep's vLLM server (data_prep/vllm_client.py) captures with vLLM's own hidden-state extraction: the
+Prep's vLLM server (serving/client.py) captures with vLLM's own hidden-state extraction: the
 `extract_hidden_states` speculative method makes the target's forward return the residual stream after the layers
 named in `eagle_aux_hidden_state_layer_ids` (id k = the output of decoder layer k-1, hidden_states + residual,
 before the final norm for k = num_layers), the extractor's cache-only attention layer writes them into a KV cache
@@ -14,7 +14,7 @@ exclusive flock on `<file>.lock` until written.
 
 vLLM's own ExampleHiddenStatesConnector copies through pinned memory on a CUDA stream; on a CPU build that
 fails ("pin_memory=True requires a CUDA or other accelerator backend"), so on a machine without CUDA the server
-names `CPUHiddenStatesConnector` below (`kv_connector_module_path=data_prep.vllm_plugin`): the same connector with
+names `CPUHiddenStatesConnector` below (`kv_connector_module_path=serving.plugin`): the same connector with
 the copy done synchronously in host memory. Everything else (which states, their cache, the file, its keys and its
 lock) is vLLM's.
 """
