@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import queue
 import shutil
@@ -258,6 +259,7 @@ class _Loop:
     def __init__(self):
         import httpx  # lazy: installed with the openai package; only a client of servers needs it
 
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the progress bars
         self.httpx = httpx
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="vllm-client", daemon=True)
