@@ -251,6 +251,7 @@ CASES: dict[str, tuple[Callable[[], object], list[Bad]]] = {
         Bad({"data.source": "hybrid", "deepspeed.sequence_parallel_size": 2}, "data.source=hybrid"),
         Bad({"data.hybrid_from": "disk"}), Bad({**VLLM_ON, "vllm.urls": ["localhost"]}, "vllm.urls"),
         Bad({**VLLM_ON, "data.vllm_servers_per_node": 0}, "data.vllm_servers_per_node"),
+        Bad({**VLLM_ON, "data.vllm_cache_gb": -1}, "data.vllm_cache_gb"),
         Bad({**VLLM_ON, "vllm.timeout_s": 0.0}, "vllm.timeout_s"),
         Bad({**VLLM_ON, "vllm.max_in_flight": 0}, "vllm.max_in_flight"),
         Bad({"data.hybrid_tokens_per_shard": 0}),

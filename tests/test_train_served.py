@@ -101,8 +101,11 @@ def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout_s: floa
 
 def test_two_ranks_fed_by_one_server_give_the_offline_losses(tmp_path: Path, prep: Path, standin: str,
                                                             monkeypatch) -> None:
+    """... and each sample's features are asked for once: epoch 1 and the held-out evaluations read the rank's
+    cache (data.vllm_cache_gb), no prompt reaches the server twice."""
     log = tmp_path / "standin.log"
     monkeypatch.setenv("STANDIN_LOG", str(log))
+    monkeypatch.setenv("STANDIN_LOG_PROMPTS", "1")
     train_in_one_process(prep, [(tmp_path / "offline", SIX)], common=ONLINE_COMMON)
     scratch = tmp_path / "scratch"
     torchrun(tmp_path / "served", prep, *SIX, *served(standin, scratch), common=ONLINE_COMMON)
@@ -117,6 +120,9 @@ def test_two_ranks_fed_by_one_server_give_the_offline_losses(tmp_path: Path, pre
     assert data["source"] == "vllm" and data["bytes_written"] == 0 and data["target_dtype"] == "float32"
     assert 0 <= data["feature_wait_share"] <= 1 and data["feature_wait_s"] >= 0
     assert data["samples_received"] == 6 and data["next_token_agreement"] is None  # teacher=hidden: no head is loaded
+    prompts = [line for line in log.read_text().splitlines() if line.startswith("prompt ")]
+    assert prompts and len(prompts) == len(set(prompts))  # every sample computed once, whatever the epoch
+    assert data["samples_from_cache"] > 0 and data["samples_recomputed"] == 0 and data["cache_bytes"] > 0
     assert (tmp_path / "served" / "vllm.node0.s0.log").exists()
     assert not list(scratch.iterdir())  # every rank's scratch went with it
     assert _gone([servers[0]["pid"], servers[0]["child"]])
@@ -159,10 +165,12 @@ def test_kill_9_leaves_no_server_and_a_step_wide_sigterm_stops_and_both_resume_e
 def test_a_server_that_dies_stops_the_run_naming_it_and_the_rerun_resumes(tmp_path: Path, prep: Path,
                                                                         standin: str) -> None:
     ref = tmp_path / "ref"
-    common = [*SIX, *served(standin, tmp_path / "scratch"), "train.save_interval=1", "vllm.max_in_flight=1"]
+    common = [*SIX, *served(standin, tmp_path / "scratch"), "train.save_interval=1", "vllm.max_in_flight=1",
+              "data.vllm_cache_gb=0"]
     train_in_one_process(prep, [(ref, common)], common=ONLINE_COMMON)
     run = tmp_path / "run"
-    # the server exits at its 13th request: 2 samples a step and an eval of 2 at steps 0, 2 and 4
+    # the server exits at its 13th request: 2 samples a step and an eval of 2 at steps 0, 2 and 4 (nothing kept:
+    # every one asked for again)
     proc = _train_process(run, prep, common, {"STANDIN_FAIL_AFTER": "12"})
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 3, err[-3000:]

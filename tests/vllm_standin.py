@@ -30,7 +30,7 @@ others that progress). /metrics gives vLLM's prompt and generation token counter
 raises the prompt counter while it works, a hanging one (STANDIN_HANG) does not. Requests are computed one at a
 time, as a queue; a request with "stream": true gets vLLM's server-sent events (one per generated token, its
 `token_ids`, the last with its finish_reason, then `[DONE]`). STANDIN_LOG gets `in flight <n>` whenever the number of
-requests open at once reaches a new high.
+requests open at once reaches a new high, and with STANDIN_LOG_PROMPTS=1 `prompt <hash> <length>` per request.
 """
 
 from __future__ import annotations
@@ -118,6 +118,8 @@ class Model:
         n = next(self.requests)
         params = body.get("kv_transfer_params") or {}
         capture = int(body.get("max_tokens", 16)) == 1
+        if os.environ.get("STANDIN_LOG_PROMPTS"):
+            log(f"prompt {hash(tuple(prompt))} {len(prompt)}")
         if capture:
             log("capture probe" if body.get("prompt_logprobs") else "capture sample")
             if next(self.captures) == int(os.environ.get("STANDIN_FAIL_AFTER", -2)) + 1:

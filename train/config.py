@@ -111,6 +111,10 @@ class DataConfig:
     # data.source=vllm without vllm.urls: the servers training starts on each node, each on vllm.tensor_parallel_size
     # x pipeline_parallel_size devices after the node's training ranks' (or on the CPU)
     vllm_servers_per_node: int = 1
+    # data.source=vllm: host memory per rank for the features the servers computed, kept so that later epochs and
+    # every held-out evaluation read them instead of asking again; beyond it a sample is asked for again each time
+    # (summary.json data.samples_recomputed). 0: nothing kept.
+    vllm_cache_gb: float = 16.0
     # online|hybrid: the target to run; None = the one the prep loaded (<prep>/rendered/spec.json). Another copy
     # (a path on this machine) must match the prep: architecture, geometry, tokenizer and chat template.
     target: str | None = None
@@ -364,6 +368,8 @@ class RunConfig:
             self.vllm.servers()  # ConfigError naming an entry of vllm.urls that is not a server's address
             if d.vllm_servers_per_node < 1:
                 raise ConfigError(f"data.vllm_servers_per_node must be >= 1, got {d.vllm_servers_per_node}")
+            if d.vllm_cache_gb < 0:
+                raise ConfigError(f"data.vllm_cache_gb must be >= 0, got {d.vllm_cache_gb}")
             for key in ("timeout_s", "max_in_flight", "scratch_gb", "tensor_parallel_size", "pipeline_parallel_size"):
                 if not getattr(self.vllm, key) > 0:
                     raise ConfigError(f"vllm.{key} must be > 0, got {getattr(self.vllm, key)}")

@@ -99,9 +99,10 @@ class ServedSamples:
 
     def __init__(self, rendered: RenderedSet, features: ServedFeatures, max_tokens: int | None = None):
         self.rendered, self.features, self.max_tokens = rendered, features, max_tokens
-        self._planned: list[int] = []  # the distinct samples of each planned batch, in order, not yet taken
+        self._planned: list[int] = []  # the distinct samples of each planned batch not kept, in order, not yet taken
         self._stream: Iterator[tuple[int, Sample]] | None = None
         self.received = 0  # samples taken (requests sent ahead past the run's end are not counted)
+        self._ids: list[str] | None = None
 
     def __str__(self) -> str:
         return f"{self.rendered.root} ({self.rendered.spec.target.get('id')} on vLLM: {self.features.where})"
@@ -127,21 +128,36 @@ class ServedSamples:
 
     def plan(self, batches: list[list[int]]) -> None:
         """The samples this rank will ask for, batch by batch (the rest of an epoch): one request stream runs
-        ahead over them. A plan replaces the one before (its requests still in flight are dropped)."""
+        ahead over those the cache does not hold. A plan replaces the one before (its requests still in flight are
+        dropped)."""
         self.close()
-        self._planned = [i for batch in batches for i in dict.fromkeys(batch)]
-        self._stream = self.features.stream([(i, self._sent(i)) for i in self._planned])
+        cache = self.features.cache
+        self._planned = [i for batch in batches for i in dict.fromkeys(batch)
+                         if (self._key(i)) not in cache]
+        if self._planned:
+            self._stream = self.features.stream([(i, self._sent(i)) for i in self._planned])
+
+    def _key(self, i: int) -> tuple[str, int]:
+        if self._ids is None:
+            self._ids = self.rendered.sample_ids()
+        return self._ids[i], len(self._sent(i).input_ids)
 
     def captured(self, indices: list[int]) -> list[Sample]:
-        """Samples `indices` as prep's vLLM capture makes them: from the planned stream when they are its next
-        ones, else asked for now."""
+        """Samples `indices` as prep's vLLM capture makes them: from the cache, else from the planned stream when
+        they are its next ones, else asked for now; what was asked for is kept while the cache has room."""
         distinct = list(dict.fromkeys(indices))
         self.received += len(distinct)
-        if self._stream is not None and self._planned[: len(distinct)] == distinct:
-            got = dict(next(self._stream) for _ in distinct)
-            del self._planned[: len(distinct)]
-        else:  # not planned (a lone lookup): its own requests, the plan's left as they are
-            got = dict(self.features.stream([(i, self._sent(i)) for i in distinct]))
+        cache = self.features.cache
+        got = {i: cache.get(self._key(i)) for i in distinct}
+        missing = [i for i, sample in got.items() if sample is None]
+        if missing:
+            if self._stream is not None and self._planned[: len(missing)] == missing:
+                got.update(next(self._stream) for _ in missing)
+                del self._planned[: len(missing)]
+            else:  # not planned (a lone lookup): its own requests, the plan's left as they are
+                got.update(self.features.stream([(i, self._sent(i)) for i in missing]))
+            for i in missing:
+                cache.put(self._key(i), got[i])
         return [got[i] for i in indices]
 
     def get_many(self, indices: list[int], owned: list[bool] | None = None) -> list[Sample]:
@@ -156,16 +172,52 @@ class ServedSamples:
             self._stream, self._planned = None, []
 
     def stats(self) -> dict:
-        return {"source": "vllm", "target_dtype": self.features.dtype, "samples_received": self.received, "servers": self.features.where, "bytes_written": 0,
-                "next_token_agreement": self.features.agreement()}
+        cache = self.features.cache
+        return {"source": "vllm", "target_dtype": self.features.dtype, "samples_received": self.received,
+                "samples_requested": self.features.requested, "samples_from_cache": cache.hits,
+                "samples_recomputed": cache.recomputed, "cache_bytes": cache.used, "cache_limit_bytes": cache.limit,
+                "servers": self.features.where, "bytes_written": 0, "next_token_agreement": self.features.agreement()}
+
+
+class FeatureCache:
+    """The samples a rank's servers computed, kept in host memory up to `limit` bytes (data.vllm_cache_gb) by
+    (sample id, tokens sent): the features of a sample are computed once per run, and what does not fit is asked
+    for again each time it is needed (`recomputed`)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = limit, 0
+        self._kept: dict[tuple[str, int], Sample] = {}
+        self.hits = self.recomputed = 0
+        self._seen: set[tuple[str, int]] = set()
+
+    def __contains__(self, key: tuple[str, int]) -> bool:
+        return key in self._kept
+
+    def get(self, key: tuple[str, int]) -> Sample | None:
+        sample = self._kept.get(key)
+        if sample is not None:
+            self.hits += 1
+        elif key in self._seen:
+            self.recomputed += 1
+        return sample
+
+    def put(self, key: tuple[str, int], sample: Sample) -> None:
+        self._seen.add(key)
+        size = sum(t.numel() * t.element_size() for t in vars(sample).values() if isinstance(t, torch.Tensor))
+        if key not in self._kept and self.used + size <= self.limit:
+            self._kept[key] = sample
+            self.used += size
 
 
 class ServedFeatures:
     """A rank's vLLM servers turned into shard samples: `stream(items)` sends each (key, rendered sample) and yields
-    (key, Sample) in order, built as prep's vLLM capture builds them."""
+    (key, Sample) in order, built as prep's vLLM capture builds them; `cache` keeps them for later epochs and
+    evaluations (FeatureCache)."""
 
-    def __init__(self, client, spec: ShardSpec, head, wait_ready: Callable[[], None]):
+    def __init__(self, client, spec: ShardSpec, head, wait_ready: Callable[[], None], cache_bytes: int = 0):
         self.client, self.spec, self.head, self._wait_ready = client, spec, head, wait_ready
+        self.cache = FeatureCache(cache_bytes)
+        self.requested = 0  # samples the servers computed and training took
         self.dtype = client.spec.dtype
         self.where = client.where
         self._ready = False
@@ -187,6 +239,7 @@ class ServedFeatures:
                 if self.head is not None:  # the prep's head on the teacher against the server's own next token
                     self.checked += 1
                     self.agreed += int(head_choice(self.head, final[-1]) == engine["next_token"])
+                self.requested += 1
                 yield key, build_sample(r, taps, final, self.spec, self.head)
         finally:
             features.close()
@@ -304,7 +357,7 @@ def served_sources(cfg: RunConfig, run_dir: Path, rank: int, world: int, stack: 
         client.wait_ready()  # every server healthy, serving the prep's target at the length needed
 
     head = load_head(prep) if spec.teacher != "hidden" else None
-    features = ServedFeatures(client, spec, head, ready)
+    features = ServedFeatures(client, spec, head, ready, int(d.vllm_cache_gb * 2**30))
     held_out = ServedSamples(eval_rendered, features, truncate) if eval_rendered is not None else None
     if d.source == "hybrid":
         from train.online import CAPTURED_DIR, HybridSamples
