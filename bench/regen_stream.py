@@ -97,7 +97,7 @@ def main() -> None:
             wall = json.loads((a.work / f"{name}.wall").read_text())
         else:
             wall = make_prep(prep, settings, a.work / f"{name}.log", a.make)
-            (a.work / f"{name}.wall").write_text(json.dumps(wall))
+            (a.work / f"{name}.wall").write_text(dumps(wall))
         result["arms"][name] = arm(prep, wall, settings)
         print(f"{name:>14}: {result['arms'][name]['reply_tokens_per_s']:.1f} reply tokens/s, regeneration "
               f"{result['arms'][name]['regen_wall_s']:.1f} s, make prep {wall:.0f} s", flush=True)

@@ -264,7 +264,9 @@ class _Loop:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="vllm-client", daemon=True)
         self.thread.start()
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        # a connection per request, none kept alive: a kept one that the server closes as it is reused (its keep-alive
+        # timeout) would fail a request that never reached it; a local connect costs nothing beside a forward
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
         self.http = self.call(self._make(limits)).result()
 
     async def _make(self, limits):

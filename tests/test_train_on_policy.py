@@ -39,7 +39,7 @@ OPD = ["train.on_policy.enabled=true", "train.on_policy.max_new_tokens=12", "tra
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_prep_dir: Path) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("on_policy")
-    r = {k: base / k for k in ("supervised", "opd", "stopped", "two", "zero3", "tp", "sampled", "epochs",
+    r = {k: base / k for k in ("supervised", "opd", "generated", "stopped", "two", "zero3", "tp", "sampled", "epochs",
                                "dflash_supervised", "dflash", "dflash_stopped", "dflash_two")}
     train_in_one_process(tiny_prep_dir, common=ONLINE_COMMON, jobs=[
         (r["supervised"], [*FOUR, "data.source=online", "train.export=true"]),
@@ -47,6 +47,7 @@ def runs(tmp_path_factory, tiny_prep_dir: Path) -> dict[str, Path]:
     start = f"train.init_from={r['supervised'] / 'export'}"
     train_in_one_process(tiny_prep_dir, common=ONLINE_COMMON, jobs=[
         (r["opd"], [*FOUR, *OPD, start]),
+        (r["generated"], [*FOUR, *OPD, start, "train.on_policy.reuse_prep_replies=false"]),
         (r["stopped"], [*FOUR, *OPD, start, "train.stop_after_steps=3"]),  # between the refreshes at 2 and 4
         (r["stopped"], [*FOUR, *OPD, start, "train.resume=true"]),
     ])
@@ -145,15 +146,29 @@ def test_a_partitioned_or_split_target_rolls_out_what_a_whole_copy_does(runs, pl
     assert summary["rollouts"] == 8 and summary["target_forwards"] == 4  # rank 0's: one batched capture a step
 
 
-def test_a_greedy_rollouts_text_is_generated_once_and_replayed_each_epoch(runs) -> None:
-    """Epoch 0 (5 global batches) generates each sample's greedy continuation; epoch 1 (steps 6-8) generates none
-    and replays the same texts with the drafter of its step: the same new tokens as epoch 0 had for them."""
+def test_a_greedy_rollouts_text_is_found_once_and_replayed_each_epoch(runs) -> None:
+    """Epoch 0 (5 global batches) finds each sample's greedy continuation (prep's reply where it is the target's
+    greedy text, else generated); epoch 1 (steps 6-8) finds none and replays the same texts with the drafter of its
+    step: the same new tokens as epoch 0 had for them."""
     train = records(runs["epochs"], "train")
     assert sorted(train) == list(range(1, 9))
-    assert all(train[s]["rollouts_generated"] == train[s]["rollouts"] == 2 for s in range(1, 6))
-    assert all(train[s]["rollouts_generated"] == 0 and train[s]["rollouts"] == 2 for s in range(6, 9))
+    assert all(train[s]["rollouts_generated"] + train[s]["rollouts_reused"] == train[s]["rollouts"] == 2
+               for s in range(1, 6))
+    assert all(train[s]["rollouts_generated"] == train[s]["rollouts_reused"] == 0 and train[s]["rollouts"] == 2
+               for s in range(6, 9))
     first = sum(train[s]["rollout_new_tokens"] for s in range(1, 6))
     assert 0 < sum(train[s]["rollout_new_tokens"] for s in range(6, 9)) <= first
+
+
+def test_prep_replies_that_are_the_greedy_text_are_not_generated_again(runs) -> None:
+    """The tiny prep's replies were regenerated greedily by the same target: most are taken as the rollouts' texts
+    (checked token by token on their capture), and the run is the one that generates every text: the same
+    rollouts step by step, the same losses."""
+    reused = sum(rec["rollouts_reused"] for rec in records(runs["opd"], "train").values())
+    generated = records(runs["generated"], "train")
+    assert reused > 0 and all(rec["rollouts_reused"] == 0 for rec in generated.values())
+    assert_same_rollouts(runs["opd"], runs["generated"])
+    assert_close_curves(runs["opd"], runs["generated"], rtol=1e-6)
 
 
 def test_sampled_rollouts_decode_in_the_rank(runs) -> None:

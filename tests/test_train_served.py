@@ -220,8 +220,8 @@ def test_the_users_server_feeds_the_same_run(tmp_path: Path, prep: Path, standin
 
 def test_on_policy_rollouts_on_the_server_are_the_ranks_rollouts(tmp_path: Path, prep: Path, standin: str,
                                                                  monkeypatch) -> None:
-    """(f) train.on_policy with data.source=vllm on 2 ranks: each rollout is a greedy request and a capture request
-    to the server, its chains replayed in the rank; every rollout counter is the one of the same stage with the
+    """(f) train.on_policy with data.source=vllm on 2 ranks: each rollout is a capture request to the server, and a
+    greedy request before it where prep's reply is not the greedy text; its chains replayed in the rank; every rollout counter is the one of the same stage with the
     target in 1 process (data.source=online), the losses within RTOL (the server's features)."""
     log = tmp_path / "standin.log"
     monkeypatch.setenv("STANDIN_LOG", str(log))
@@ -233,9 +233,11 @@ def test_on_policy_rollouts_on_the_server_are_the_ranks_rollouts(tmp_path: Path,
     assert_same_rollouts(tmp_path / "served", tmp_path / "online")
     assert_close_curves(tmp_path / "served", tmp_path / "online", RTOL)
     requests = log.read_text().splitlines()
-    assert sum(line.startswith("generate") for line in requests) == 8  # one greedy request a rollout
     summary = json.loads((tmp_path / "served" / "summary.json").read_text())["data"]
     assert summary["source"] == "on_policy" and summary["rollouts"] == 8
+    # a greedy request for each rollout whose text is not prep's checked reply
+    assert summary["rollouts_generated"] + summary["rollouts_reused"] == 8
+    assert sum(line.startswith("generate") for line in requests) == summary["rollouts_generated"]
 
 
 def test_hybrid_from_vllm_writes_epoch_0_then_reads_its_shards(tmp_path: Path, prep: Path, standin: str,

@@ -270,7 +270,10 @@ def serve(args) -> int:
             finally:
                 model.opened(-1)
 
-    server = ThreadingHTTPServer((args.host, args.port), Handler)
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 2048  # uvicorn's backlog, as vLLM serves: a client's burst of connections is taken
+
+    server = Server((args.host, args.port), Handler)
     server.daemon_threads = True
     print("Application startup complete.", flush=True)
     server.serve_forever()

@@ -156,6 +156,9 @@ class OnPolicyConfig:
     max_new_tokens: int = 256  # tokens each rollout generates (cut at data.max_len, and at the target's EOS)
     temperature: float = 0.0  # 0: greedy rollouts (the target's argmax); > 0: lossless sampling at this temperature
     refresh_interval: int = 10  # optimizer steps between copies of the trained weights into the rollout drafter
+    # greedy rollouts: where prep's reply to the prompt is the target's greedy text (checked on its capture: the
+    # target's argmax gives it token by token), it is the rollout's text and the target does not generate it
+    reuse_prep_replies: bool = True
 
 
 @dataclass

@@ -47,8 +47,8 @@ from train.rollout import Rollout, greedy_accepts, rollout
 
 ROLLOUT_PREFIX = "rollout/"  # the rollout drafter's tensors in a checkpoint's model.safetensors
 # Per-step statistics (summed over the ranks between two log lines): metrics.jsonl's rollout_* and replay_*.
-COUNTERS = ("rollouts", "rollouts_generated", "rollout_new_tokens", "rollout_cycles", "rollout_accepted", "replay_pairs",
-            "replay_rejected", "rollout_s")
+COUNTERS = ("rollouts", "rollouts_generated", "rollouts_reused", "rollout_new_tokens", "rollout_cycles",
+            "rollout_accepted", "replay_pairs", "replay_rejected", "rollout_s")
 
 
 @dataclass
@@ -217,10 +217,11 @@ class OnPolicySamples:
         self.counts = dict.fromkeys(COUNTERS, 0.0)
         self.totals = dict.fromkeys(COUNTERS, 0.0)
         self.captures, self.capture_tokens, self.capture_s = 0, 0, 0.0  # the target's captures of the rollouts
-        # A greedy rollout's text (the target's greedy continuation) is the same every epoch: generated once per
-        # sample and kept (int32 ids; a resumed run generates it again, the same text); the capture and the replay,
+        # A greedy rollout's text (the target's greedy continuation) is the same every epoch: found once per
+        # sample and kept (int32 ids; a resumed run finds it again, the same text); the capture and the replay,
         # which depend on nothing kept, run each time.
         self._greedy: dict[int, Tensor] = {}
+        self.head: nn.Module | None = None  # the target head: checks that prep's reply is the greedy text
 
     def __str__(self) -> str:
         return f"{self.base} rolled out on-policy"
@@ -241,10 +242,13 @@ class OnPolicySamples:
 
     # -- the rollout drafter --------------------------------------------------------------------------------------
     def start(self, drafter: nn.Module, device: torch.device, dtype: torch.dtype, step: int = 0,
-              state: dict[str, Tensor] | None = None) -> None:
+              state: dict[str, Tensor] | None = None, head: nn.Module | None = None) -> None:
         """The rollout drafter: a frozen copy of `drafter` (before the engine takes it) on this rank's device, with
-        the weights of `state` (a checkpoint's, `state()`) where a run resumes."""
+        the weights of `state` (a checkpoint's, `state()`) where a run resumes. `head`: the target head (the
+        trainer's), with which a greedy rollout reuses prep's reply where it is the target's greedy text."""
         from models.registry import family_of_drafter
+
+        self.head = head
 
         self.drafter = copy.deepcopy(drafter).to(device=device, dtype=dtype).eval().requires_grad_(False)
         # drafts per verify cycle: a block drafter's whole block (as it decodes), else train.on_policy.depth
@@ -285,6 +289,37 @@ class OnPolicySamples:
         if not prompt:
             return rendered.input_ids[:1].tolist(), 0
         return prompt[: self.max_len], max(min(self.settings.max_new_tokens, self.max_len - len(prompt)), 0)
+
+    def _prep_reply(self, i: int, budget: int) -> list[int] | None:
+        """Prep's reply to sample i's first prompt as a greedy rollout of `budget` tokens would be: up to its first
+        stop id, at most `budget` tokens; None where it cannot be one (a reply that ends, cut or truncated, short of
+        both: what the target says after it is not in the sample)."""
+        rendered, start = self.base.rendered[i], self._prompts[i]
+        masked = rendered.loss_mask[start:].int().cumprod(0)  # the first turn's loss-masked run
+        reply = rendered.input_ids[start : start + int(masked.sum())].tolist()
+        end = next((j + 1 for j, t in enumerate(reply) if t in self.stop_ids), None)
+        if end is None and len(reply) < budget:
+            return None
+        return reply[: min(end or budget, budget)]
+
+    @torch.no_grad()
+    def _is_greedy(self, sample: Sample, prompt_len: int) -> bool:
+        """Whether, at every position of the continuation, the target's argmax (its teacher through the head, or
+        the compact teacher's top-1) is the next token: the continuation is the target's greedy text, computed by
+        the capture's forward. A text that parts from it at a near-tie is not taken; the target generates that one."""
+        rows = slice(prompt_len - 1, len(sample.input_ids) - 1)
+        if sample.teacher_hidden is not None:
+            if self.head is None:
+                return False
+            weight = self.head.lm_head.weight
+            top = self.head.logits(sample.teacher_hidden[rows].to(weight.device, weight.dtype)).argmax(-1)
+        elif sample.teacher_argmax is not None:
+            top = sample.teacher_argmax[rows]
+        elif sample.teacher_topk_ids is not None:
+            top = sample.teacher_topk_ids[rows, 0]
+        else:
+            return False
+        return torch.equal(top.cpu().long(), sample.input_ids[prompt_len:].long())
 
     def _sampled(self, distinct: list[int]) -> list[Rollout]:
         """Speculative decoding at train.on_policy.temperature with the family's rollout function (in the rank)."""
@@ -336,11 +371,12 @@ class OnPolicySamples:
         start = time.perf_counter()
         if self.settings.temperature > 0:
             rollouts = self._sampled(distinct)
-            fresh = set(range(len(distinct)))  # every sampled rollout is new
+            fresh, reused = set(range(len(distinct))), set()  # every sampled rollout is new
             decode_s = time.perf_counter() - start
             samples = self._capture([Rendered(c, torch.tensor(r.tokens), r.loss_mask()) for c, r in zip(ids, rollouts)])
         else:
             plans = [self._plan(i) for i in distinct]
+            reused, samples_of = self._reuse(distinct, ids, plans)
             missing = [k for k, i in enumerate(distinct) if i not in self._greedy]
             if missing or getattr(self.target, "batched", False):  # a batched target's ranks generate together
                 got = self.target.generate([plans[k][0] for k in missing], [plans[k][1] for k in missing],
@@ -349,28 +385,59 @@ class OnPolicySamples:
                     self._greedy[distinct[k]] = torch.tensor(new, dtype=torch.int32)
             fresh = set(missing)
             generate_s = time.perf_counter() - start
-            rendered = []
-            for c, (prompt, _), i in zip(ids, plans, distinct):
-                new = self._greedy[i].tolist()
-                mask = torch.zeros(len(prompt) + len(new), dtype=torch.bool)
-                mask[len(prompt):] = True
-                rendered.append(Rendered(c, torch.tensor([*prompt, *new]), mask))
-            samples = self._capture(rendered)
+            todo = [k for k in range(len(distinct)) if k not in samples_of]
+            for k, sample in zip(todo, self._capture([self._rendered(ids[k], plans[k][0], distinct[k])
+                                                      for k in todo])):
+                samples_of[k] = sample
+            samples = [samples_of[k] for k in range(len(distinct))]
             start = time.perf_counter()
             rollouts = self._replayed(distinct, samples)
             decode_s = generate_s + time.perf_counter() - start
         made = {}
         for k, (i, r, sample) in enumerate(zip(distinct, rollouts, samples)):
             steps = r.draft_steps()
-            self._count(r, steps, decode_s / len(distinct), k in fresh)
+            self._count(r, steps, decode_s / len(distinct), k in fresh, k in reused)
             made[i] = RolloutSample(**{f: getattr(sample, f) for f in sample.__dataclass_fields__}, draft_steps=steps)
         return [made[i] for i in indices]
+
+    def _rendered(self, conversation_id: str, prompt: list[int], i: int) -> Rendered:
+        """Sample i's greedy rollout as a sample to capture: its prompt and kept continuation, the latter masked."""
+        new = self._greedy[i].tolist()
+        mask = torch.zeros(len(prompt) + len(new), dtype=torch.bool)
+        mask[len(prompt):] = True
+        return Rendered(conversation_id, torch.tensor([*prompt, *new]), mask)
+
+    def _reuse(self, distinct: list[int], ids: list[str], plans: list[tuple[list[int], int]]
+               ) -> tuple[set[int], dict[int, Sample]]:
+        """Where no text is kept yet for a sample, prep's reply is tried as its greedy rollout: captured (the capture
+        the rollout needs anyway) and kept if the target's argmax gives it token by token (`_is_greedy`). A target
+        whose ranks run their forwards together (zero3, tp) generates instead: every rank's calls stay in step.
+        Returns the positions reused and their captured samples."""
+        if getattr(self.target, "batched", False) or not self.settings.reuse_prep_replies:
+            return set(), {}
+        tried = {}
+        for k, i in enumerate(distinct):
+            if i not in self._greedy and plans[k][1] > 0 and (reply := self._prep_reply(i, plans[k][1])):
+                tried[k] = reply
+        if not tried:
+            return set(), {}
+        for k, reply in tried.items():
+            self._greedy[distinct[k]] = torch.tensor(reply, dtype=torch.int32)
+        got = self._capture([self._rendered(ids[k], plans[k][0], distinct[k]) for k in tried])
+        kept = {}
+        for k, sample in zip(tried, got):
+            if self._is_greedy(sample, len(plans[k][0])):
+                kept[k] = sample
+            else:
+                del self._greedy[distinct[k]]  # generated below, and captured again
+        return set(kept), kept
 
     def __getitem__(self, i: int) -> Sample:
         return self.get_many([i])[0]
 
-    def _count(self, r: Rollout, steps: Tensor, seconds: float, generated: bool) -> None:
-        add = {"rollouts": 1, "rollouts_generated": int(generated), "rollout_new_tokens": r.new_tokens, "rollout_cycles": len(r.accept_lengths),
+    def _count(self, r: Rollout, steps: Tensor, seconds: float, generated: bool, reused: bool = False) -> None:
+        add = {"rollouts": 1, "rollouts_generated": int(generated), "rollouts_reused": int(reused),
+               "rollout_new_tokens": r.new_tokens, "rollout_cycles": len(r.accept_lengths),
                "rollout_accepted": sum(r.accept_lengths), "replay_pairs": int(steps.sum()),
                "replay_rejected": len(r.rejected_positions()), "rollout_s": seconds}
         for k, v in add.items():

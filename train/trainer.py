@@ -391,7 +391,7 @@ def _train(cfg: RunConfig, run_dir: Path, rank: int, world: int, t0: float, sign
         saved = {} if ckpt is None else {k.removeprefix(ROLLOUT_PREFIX): v for k, v in ckpt.extra.items()
                                          if k.startswith(ROLLOUT_PREFIX)}
         rollouts.start(drafter, engine.device, engine.dtype, ckpt.state.get("rollout_step", 0) if ckpt else 0,
-                       saved)
+                       saved, head)
     module = engine.prepare(
         drafter, ckpt.engine_state() if ckpt else None, keep_gathered=objective.keep_gathered
     )
