@@ -250,3 +250,14 @@ def test_the_servers_we_start_take_a_key_of_their_own(tmp_path: Path, monkeypatc
     assert s.ok == 1 and read_results(tmp_path / "r.jsonl")["a"]["messages"][1]["content"] == "served hi"
     assert reply["choices"][0]["message"]["content"] == "served there"
     assert "OPENAI_API_KEY" not in os.environ  # the block's key does not outlive it
+
+
+def test_a_sampled_reply_has_its_own_seed_the_same_after_a_resume() -> None:
+    """request_seed: one seed per (run seed, conversation, turn), a pure function of them (a resumed prep sends the
+    same), distinct across conversations and turns (two conversations never share their random numbers)."""
+    from data_prep.regenerate import request_seed
+
+    seeds = {(c, t): request_seed(0, c, t) for c in ("a", "b", "c") for t in range(3)}
+    assert len(set(seeds.values())) == len(seeds)
+    assert all(request_seed(0, c, t) == s for (c, t), s in seeds.items())
+    assert request_seed(1, "a", 0) != seeds["a", 0] and all(0 <= s < 2**31 for s in seeds.values())
